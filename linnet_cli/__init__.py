@@ -1,0 +1,1 @@
+"""Linnet command line: a thin Typer app over linnet_core."""

@@ -1,0 +1,45 @@
+"""The Typer app: it only assembles the commands (one module each)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from linnet_core import __version__
+
+from .commands.compile import compile_command
+from .commands.run import run_command
+from .commands.verify import verify_command
+
+app = typer.Typer(
+    name="linnet",
+    help="Compile, run and verify decoder-only LLM checkpoints on every stack, from one IR.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"linnet {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                    help="Print the version and exit.")] = None,
+) -> None:
+    """Compile, run and verify decoder-only LLM checkpoints on every stack, from one IR."""
+
+
+app.command("compile")(compile_command)
+app.command("run")(run_command)
+app.command("verify")(verify_command)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,1 @@
+"""One module per command; each parses options, calls one core function, renders the result."""

@@ -1,0 +1,31 @@
+"""linnet compile: build (or find in the cache) a model's artifact for one backend and dtype."""
+
+from __future__ import annotations
+
+from linnet_core.compile import compile_model
+
+from ..options import BackendName, BackendOpt, CacheLenOpt, DtypeName, DtypeOpt, JsonOpt, ModelArg, QuietOpt, RevisionOpt
+from ..output import Sink, handle_errors
+
+
+@handle_errors
+def compile_command(
+    model: ModelArg,
+    backend: BackendOpt = BackendName.torch,
+    dtype: DtypeOpt = DtypeName.auto,
+    cache_len: CacheLenOpt = None,
+    revision: RevisionOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Compile MODEL for a backend; prints the artifact path, whether it was cached, and the time."""
+    sink = Sink(json, quiet)
+    sink.info(f"compiling {model} for {backend.value} ({dtype.value})...")
+    c = compile_model(model, backend.value, dtype.value, cache_len, revision=revision)
+    state = "cache hit" if c.hit else "compiled"
+    sink.data(
+        f"{c.artifact}\n[dim]{state} · {c.backend} · {c.dtype} · cache {c.cache_len} · {c.seconds:.2f} s[/]",
+        {"artifact": str(c.artifact), "hit": c.hit, "seconds": round(c.seconds, 4), "backend": c.backend,
+         "dtype": c.dtype, "cache_len": c.cache_len, "model": c.model.resolved.name,
+         "model_type": c.model.spec.model_type},
+    )

@@ -1,0 +1,74 @@
+"""linnet run: generate text from a prompt, streamed to stdout; timings to stderr."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Annotated, Optional
+
+import typer
+
+from linnet_core.compile import load_model, open_model
+from linnet_core.errors import InputError
+from linnet_core.runtime.generate import Generation
+from linnet_core.runtime.sampling import Sampler, SamplingParams
+from linnet_core.tokenizer import IncrementalDecoder, Tokenizer
+
+from ..options import BackendName, BackendOpt, CacheLenOpt, DtypeName, DtypeOpt, JsonOpt, OptionalModelArg, QuietOpt, RevisionOpt
+from ..output import Sink, handle_errors
+
+
+@handle_errors
+def run_command(
+    model: OptionalModelArg = None,
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text to continue (or the user message with --chat).")] = ...,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens to generate.")] = 64,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", min=0, help="Sample among the k likeliest (0 = all).")] = 0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling, for repeatable output.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Apply the checkpoint's chat template.")] = False,
+    backend: BackendOpt = BackendName.torch,
+    dtype: DtypeOpt = DtypeName.auto,
+    cache_len: CacheLenOpt = None,
+    revision: RevisionOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Generate from MODEL (default: the embedded model), streaming text as it is chosen."""
+    sink = Sink(json, quiet)
+    m = open_model(model, revision)
+    tok = Tokenizer(m.path)
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+    if not ids:
+        raise InputError("the prompt encodes to no tokens")
+    t0 = time.perf_counter()
+    session, compiled = load_model(m, backend.value, dtype.value, cache_len)
+    load_s = time.perf_counter() - t0
+    gen = Generation(session, ids, max_new_tokens, Sampler(SamplingParams(temperature, top_p, top_k, seed)),
+                     stop_ids=tok.eos_ids | set(m.spec.eos_token_ids))
+    decoder = IncrementalDecoder(tok)
+    stream = not json
+    for token in gen:
+        delta = decoder.push(token)
+        if stream and delta:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    tail = decoder.flush()
+    st = gen.stats
+    if stream:
+        sys.stdout.write(tail + "\n")
+        sys.stdout.flush()
+    state = "cached" if compiled.hit else "compiled"
+    sink.info(
+        f"[dim]{st.prompt_tokens} prompt tokens · {st.new_tokens} new ({st.finish_reason}) · "
+        f"first token {st.ttft_s * 1000:.0f} ms · {st.decode_tok_s:.1f} tok/s · "
+        f"{compiled.backend} {compiled.dtype} · load {load_s:.2f} s ({state})[/]"
+    )
+    if json:
+        sink.data("", {
+            "text": tok.decode(decoder.ids), "tokens": decoder.ids, "prompt_tokens": st.prompt_tokens,
+            "new_tokens": st.new_tokens, "finish_reason": st.finish_reason, "ttft_s": st.ttft_s,
+            "decode_tok_s": st.decode_tok_s, "load_s": load_s, "backend": compiled.backend,
+            "dtype": compiled.dtype, "cache_hit": compiled.hit, "model": m.resolved.name,
+        })

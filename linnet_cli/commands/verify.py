@@ -1,0 +1,40 @@
+"""linnet verify: distance from the reference (transformers, eager) with a pass/fail to gate on."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from linnet_core.verify import verify
+
+from ..options import BackendName, BackendOpt, CacheLenOpt, DtypeName, DtypeOpt, JsonOpt, ModelArg, QuietOpt, RevisionOpt
+from ..output import EXIT_FAILURE, Sink, handle_errors
+
+
+@handle_errors
+def verify_command(
+    model: ModelArg,
+    backend: BackendOpt = BackendName.torch,
+    dtype: DtypeOpt = DtypeName.float32,
+    steps: Annotated[int, typer.Option(min=1, help="Teacher-forced decode steps after the prefill.")] = 8,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text (default: a fixed one).")] = None,
+    cache_len: CacheLenOpt = None,
+    revision: RevisionOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Compare a backend with transformers (eager) on the same tokens; exit 1 past the tolerance."""
+    sink = Sink(json, quiet)
+    sink.info(f"verifying {model} on {backend.value} ({dtype.value}) against transformers eager...")
+    r = verify(model, backend.value, dtype.value, steps, prompt, cache_len, revision=revision)
+    verdict = "[bold green]PASS[/]" if r.passed else "[bold red]FAIL[/]"
+    sink.data(
+        f"{verdict} {r.backend} {r.dtype}: distance from reference {r.distance:.3g} "
+        f"(tolerance {r.tolerance:.3g}) · top-1 agreement {r.top1_agreement:.1%} · "
+        f"greedy tokens {'identical' if r.tokens_match else 'differ'} · "
+        f"{r.prompt_tokens} prompt tokens + {r.steps} steps",
+        r.to_json(),
+    )
+    if not r.passed:
+        raise typer.Exit(EXIT_FAILURE)

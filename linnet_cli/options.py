@@ -1,0 +1,37 @@
+"""Shared option types; choices come from the core's registries, never from copies here."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Optional
+
+import typer
+
+from linnet_core.backends import BACKENDS
+from linnet_core.compile import DTYPE_CHOICES
+from linnet_core.hub import SHORT_NAMES
+
+BackendName = Enum("BackendName", {name: name for name in BACKENDS}, type=str)
+DtypeName = Enum("DtypeName", {name: name for name in DTYPE_CHOICES}, type=str)
+
+
+def _complete_model(incomplete: str) -> list[str]:
+    return [n for n in SHORT_NAMES if n.startswith(incomplete)]
+
+
+ModelArg = Annotated[
+    str, typer.Argument(help="Checkpoint folder, Hugging Face repo id, or short name (see README).",
+                        autocompletion=_complete_model, show_default=False)
+]
+OptionalModelArg = Annotated[
+    Optional[str], typer.Argument(help="Checkpoint folder, repo id or short name; default: the embedded model.",
+                                  autocompletion=_complete_model, show_default=False)
+]
+BackendOpt = Annotated[BackendName, typer.Option("--backend", "-b", help="Backend to compile for.")]
+DtypeOpt = Annotated[DtypeName, typer.Option("--dtype", "-d", help="Compute dtype; auto = the checkpoint's.")]
+CacheLenOpt = Annotated[
+    Optional[int], typer.Option("--cache-len", min=1, help="KV cache positions (default: min(2048, model max)).")
+]
+RevisionOpt = Annotated[Optional[str], typer.Option("--revision", help="Hugging Face revision (branch, tag, commit).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors (and the data).")]

@@ -1,0 +1,89 @@
+"""One output sink for every command: data to stdout (human or --json), the rest to stderr.
+
+Errors from linnet_core become one line plus a hint and an exit code; a traceback is shown only
+with LINNET_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import warnings
+from typing import Any, Callable
+
+import typer
+from rich.console import Console
+
+from linnet_core.errors import LinnetError
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _no_color() -> bool:
+    return "NO_COLOR" in os.environ
+
+
+class Sink:
+    def __init__(self, json_mode: bool = False, quiet: bool = False):
+        self.json_mode, self.quiet = json_mode, quiet
+        self.out = Console(file=sys.stdout, no_color=_no_color(), highlight=False, soft_wrap=True)
+        self.err = Console(file=sys.stderr, no_color=_no_color(), highlight=False, soft_wrap=True)
+
+    def data(self, human: str, payload: dict[str, Any]) -> None:
+        """The command's result: JSON on stdout with --json, else the human line(s)."""
+        if self.json_mode:
+            sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
+        elif not self.quiet:
+            self.out.print(human)
+
+    def info(self, message: str) -> None:
+        """Progress and hints, to stderr; silent with --quiet or --json."""
+        if not self.quiet and not self.json_mode:
+            self.err.print(message)
+
+
+def _debug() -> bool:
+    return os.environ.get("LINNET_DEBUG", "") not in ("", "0")
+
+
+def report_error(message: str, hint: str | None = None) -> None:
+    err = Console(file=sys.stderr, no_color=_no_color(), highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {message}", markup=True)
+    if hint:
+        err.print(f"[dim]hint:[/] {hint}", markup=True)
+
+
+def handle_errors(fn: Callable) -> Callable:
+    """Map LinnetError (and any other failure) to one line, a hint and an exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            warnings.showwarning = _show_warning
+            try:
+                return fn(*args, **kwargs)
+            except (typer.Exit, typer.Abort):
+                raise
+            except LinnetError as e:
+                if _debug():
+                    raise
+                report_error(e.message, e.hint)
+                raise typer.Exit(e.exit_code) from None
+            except KeyboardInterrupt:
+                report_error("interrupted")
+                raise typer.Exit(EXIT_INTERRUPTED) from None
+            except Exception as e:  # a bug: still one line unless debugging
+                if _debug():
+                    raise
+                report_error(f"internal error: {type(e).__name__}: {e}".splitlines()[0],
+                             "run again with LINNET_DEBUG=1 for the traceback, and report it")
+                raise typer.Exit(EXIT_FAILURE) from None
+
+    return wrapper
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    sys.stderr.write(f"warning: {message}\n")

@@ -1,0 +1,33 @@
+"""What a backend is: an emitter that writes an artifact folder, and a loader that runs it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from ..ir.graph import Graph
+from ..runtime.session import Session
+from ..weights import Checkpoint
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+class Backend(ABC):
+    name: str  # the CLI's --backend value
+    title: str  # how pages and tables name it
+    dtypes: tuple[str, ...] = DTYPES
+
+    @abstractmethod
+    def toolchain(self) -> dict[str, str]:
+        """Versions that change the artifact; part of the cache key."""
+
+    def check_available(self, dtype: str) -> None:
+        """Raise BackendUnavailable, saying why in one line, when this backend cannot run here."""
+
+    @abstractmethod
+    def compile(self, graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path) -> None:
+        """Write the artifact's files into `out` (a fresh temporary folder)."""
+
+    @abstractmethod
+    def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
+        """A ready session over a complete artifact folder."""

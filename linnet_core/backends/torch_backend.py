@@ -1,0 +1,122 @@
+"""Backend `torch` ("generated PyTorch"): the emitted module, run eagerly over a static KV cache.
+
+The artifact holds `model.py` (from torch_emit), `weights.safetensors` (prepared weights in the
+compile dtype, fused as the passes decided) and `artifact.json`. Loading maps the weights from
+disk without copying them when they are already in the right dtype and device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .. import params as prepared
+from ..errors import BackendUnavailable
+from ..ir.graph import Graph
+from ..ir.passes import optimize
+from ..runtime.session import Session
+from ..weights import Checkpoint, read_header, write_safetensors
+from .base import Backend
+from .torch_emit import emit
+
+TORCH_DTYPES = prepared.TORCH_DTYPES
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def write_artifact_info(out: Path, graph: Graph, dtype: str, cache_len: int, **extra: Any) -> None:
+    info = {
+        "dtype": dtype,
+        "cache_len": cache_len,
+        "cache": vars(graph.cache),
+        "vocab_size": graph.meta["spec"]["vocab_size"],
+        "model_type": graph.meta["model_type"],
+        **extra,
+    }
+    (out / "artifact.json").write_text(json.dumps(info, indent=2))
+    (out / "graph.json").write_text(json.dumps(graph.to_json(), indent=1))
+
+
+def import_generated(path: Path, name: str):
+    """Import a generated module from the artifact folder under a unique name."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_prepared_weights(path: Path, device: str) -> dict[str, Any]:
+    """{"global": {...}, "layers": [{...}, ...]} from a prepared safetensors file (mapped, not read)."""
+    ckpt = Checkpoint([path])
+    flat = {name: ckpt.get(name) for name in ckpt.tensors}
+    if device != "cpu":
+        flat = {k: v.to(device) for k, v in flat.items()}
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    glob: dict[str, torch.Tensor] = {}
+    for name, t in flat.items():
+        if name.startswith("blk."):
+            _, idx, local = name.split(".", 2)
+            layers.setdefault(int(idx), {})[local] = t
+        else:
+            glob[name] = t
+    return {"global": glob, "layers": [layers[i] for i in sorted(layers)]}
+
+
+class TorchSession(Session):
+    def __init__(self, module, weights: dict[str, Any], info: dict, rows: int, device: str, backend: str):
+        self.module, self.weights, self.backend = module, weights, backend
+        self.dtype, self.cache_len, self.vocab_size, self.rows = info["dtype"], info["cache_len"], info["vocab_size"], rows
+        self.device = torch.device(device)
+        c = info["cache"]
+        shape = (c["layers"], rows, c["kv_heads"], self.cache_len, c["head_dim"])
+        self.k_cache = torch.zeros(shape, dtype=TORCH_DTYPES[self.dtype], device=self.device)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.step_fn = module.step
+
+    def _run(self, ids: Sequence[Sequence[int]], start: Sequence[int], slots: Sequence[int], all_logits: bool):
+        kv_len = max(s + len(row) for s, row in zip(start, ids))
+        with torch.inference_mode():
+            ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [B, T]
+            start_t = torch.tensor(start, dtype=torch.int64, device=self.device)  # [B]
+            slots_t = torch.tensor(slots, dtype=torch.int64, device=self.device)  # [B]
+            return self.step_fn(self.weights, ids_t, start_t, slots_t, kv_len, self.k_cache, self.v_cache, all_logits)
+
+    def _to_host(self, tensor: torch.Tensor) -> np.ndarray:
+        t = tensor.detach().to("cpu")
+        return t.float().numpy() if t.is_floating_point() else t.numpy()
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    title = "generated PyTorch"
+
+    def toolchain(self) -> dict[str, str]:
+        return {"torch": torch.__version__}
+
+    def check_available(self, dtype: str) -> None:
+        if dtype not in TORCH_DTYPES:
+            raise BackendUnavailable(f"the {self.name} backend has no dtype '{dtype}'")
+
+    def compile(self, graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path) -> None:
+        graph = optimize(graph)
+        prepared.check_against(graph, ckpt)
+        (out / "model.py").write_text(emit(graph))
+        write_safetensors(out / "weights.safetensors", prepared.layout(graph, dtype), prepared.produce(graph, ckpt, dtype))
+        write_artifact_info(out, graph, dtype, cache_len)
+
+    def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
+        device = device or default_device()
+        info = json.loads((artifact / "artifact.json").read_text())
+        read_header(artifact / "weights.safetensors")  # fail early on a damaged file
+        module = import_generated(artifact / "model.py", f"linnet_generated_{abs(hash(str(artifact)))}")
+        weights = load_prepared_weights(artifact / "weights.safetensors", device)
+        return TorchSession(module, weights, info, rows, device, self.name)

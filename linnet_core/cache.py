@@ -1,0 +1,247 @@
+"""The artifact cache: compiled models on disk, keyed by everything that changes them.
+
+Key: model identity (canonical config + a fingerprint of every weight file), backend, dtype,
+cache length, and the versions of Linnet and of the backend's toolchain. An entry is built in a
+temporary folder and renamed into place, so readers see complete entries or none; a file lock
+per key makes concurrent compiles of one key build once; an entry whose manifest or files do
+not check out is moved aside and rebuilt with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from filelock import FileLock
+
+from . import __version__
+from .errors import CacheError
+
+MANIFEST = "manifest.json"
+FULL_HASH_LIMIT = 64 * 1024 * 1024  # files up to this size are hashed whole
+SAMPLES, SAMPLE_BYTES = 16, 1024 * 1024
+
+
+def cache_root() -> Path:
+    env = os.environ.get("LINNET_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "linnet"
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_fingerprint(path: Path) -> str:
+    """Identity of a weight file without reading gigabytes.
+
+    A Hugging Face cache blob is named by its content's sha256, which is exact. Small files are
+    hashed whole. Large local files: size, mtime and 16 sampled 1 MiB windows (header included),
+    so a rewritten file changes the key even when its shapes do not.
+    """
+    real = path.resolve()
+    if real.parent.name == "blobs" and len(real.name) == 64:
+        return f"blob:{real.name}"
+    st = real.stat()
+    if st.st_size <= FULL_HASH_LIMIT:
+        return f"sha256:{_sha256_file(real)}"
+    h = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    with open(real, "rb") as f:
+        for k in range(SAMPLES):
+            f.seek(k * (st.st_size - SAMPLE_BYTES) // (SAMPLES - 1))
+            h.update(f.read(SAMPLE_BYTES))
+    return f"sampled:{h.hexdigest()}"
+
+
+def model_identity(config: dict, weight_files: list[Path]) -> str:
+    canon = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    h = hashlib.sha256(canon.encode())
+    for f in sorted(weight_files, key=lambda p: p.name):
+        h.update(f"{f.name}={file_fingerprint(f)}\n".encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ArtifactKey:
+    model: str  # display name
+    identity: str  # model_identity(...)
+    backend: str
+    dtype: str
+    cache_len: int
+    toolchain: tuple[tuple[str, str], ...]
+
+    @property
+    def digest(self) -> str:
+        payload = json.dumps(
+            {"linnet": __version__, "identity": self.identity, "backend": self.backend, "dtype": self.dtype,
+             "cache_len": self.cache_len, "toolchain": dict(self.toolchain)},
+            sort_keys=True,
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    @property
+    def dirname(self) -> str:
+        slug = "".join(c if c.isalnum() or c in "-." else "-" for c in self.model.rstrip("/").split("/")[-1])[:40]
+        return f"{slug}-{self.backend}-{self.dtype}-{self.cache_len}-{self.digest[:16]}"
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: Path
+    hit: bool
+    manifest: dict[str, Any]
+
+
+class ArtifactCache:
+    def __init__(self, root: Path | None = None):
+        self.root = Path(root) if root is not None else cache_root()
+
+    @property
+    def artifacts(self) -> Path:
+        return self.root / "artifacts"
+
+    def _prepare(self) -> None:
+        try:
+            for sub in ("artifacts", "tmp", "locks", "trash"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+            probe = self.root / "tmp" / f".probe-{uuid.uuid4().hex}"
+            probe.touch()
+            probe.unlink()
+        except OSError as e:
+            raise CacheError(
+                f"the artifact cache at {self.root} is not writable ({e.strerror or e})",
+                hint="point LINNET_CACHE at a writable folder",
+            ) from None
+
+    def check(self, path: Path, key: ArtifactKey) -> dict[str, Any] | None:
+        """The manifest of a complete, intact entry for `key`; None when absent; raises on damage."""
+        manifest_path = path / MANIFEST
+        if not path.exists():
+            return None
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            if manifest["digest"] != key.digest:
+                raise ValueError("digest differs")
+            for name, meta in manifest["files"].items():
+                f = path / name
+                if f.stat().st_size != meta["size"]:
+                    raise ValueError(f"{name} has the wrong size")
+                if "sha256" in meta and _sha256_file(f) != meta["sha256"]:
+                    raise ValueError(f"{name} has the wrong checksum")
+        except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+            raise _Damaged(str(e)) from None
+        return manifest
+
+    def _discard(self, path: Path) -> None:
+        trash = self.root / "trash" / f"{path.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(path, trash)
+        except OSError:
+            pass
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def get_or_build(self, key: ArtifactKey, build: Callable[[Path], None], meta: dict[str, Any] | None = None) -> Entry:
+        """The entry for `key`, building it with `build(tmp_folder)` when missing or damaged."""
+        self._prepare()
+        path = self.artifacts / key.dirname
+        try:
+            manifest = self.check(path, key)
+            if manifest is not None:
+                self.touch(path)
+                return Entry(path, True, manifest)
+        except _Damaged as e:
+            pass  # rebuilt below, under the lock
+        with FileLock(str(self.root / "locks" / f"{key.digest[:32]}.lock")):
+            try:
+                manifest = self.check(path, key)
+                if manifest is not None:  # another process built it while we waited
+                    self.touch(path)
+                    return Entry(path, True, manifest)
+            except _Damaged as e:
+                warnings.warn(f"cache entry {path.name} is damaged ({e}); rebuilding it", CacheWarning, stacklevel=2)
+                self._discard(path)
+            self._sweep_tmp()
+            tmp = self.root / "tmp" / f"{key.dirname}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+            tmp.mkdir()
+            try:
+                build(tmp)
+                manifest = self._write_manifest(tmp, key, meta or {})
+                os.rename(tmp, path)
+            except BaseException:  # Ctrl-C included: never leave a half entry
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            return Entry(path, False, manifest)
+
+    def _write_manifest(self, folder: Path, key: ArtifactKey, meta: dict[str, Any]) -> dict[str, Any]:
+        files = {}
+        for f in sorted(folder.rglob("*")):
+            if f.is_file():
+                size = f.stat().st_size
+                entry: dict[str, Any] = {"size": size}
+                if size <= 16 * 1024 * 1024:  # small files (code, graphs) are checked by content too
+                    entry["sha256"] = _sha256_file(f)
+                files[str(f.relative_to(folder))] = entry
+        manifest = {
+            "digest": key.digest,
+            "model": key.model,
+            "identity": key.identity,
+            "backend": key.backend,
+            "dtype": key.dtype,
+            "cache_len": key.cache_len,
+            "toolchain": dict(key.toolchain),
+            "linnet": __version__,
+            "created": time.time(),
+            "files": files,
+            **meta,
+        }
+        (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        return manifest
+
+    def touch(self, path: Path) -> None:
+        """Record a use (for `cache ls` and pruning by last use)."""
+        try:
+            os.utime(path / MANIFEST)
+        except OSError:
+            pass
+
+    def _sweep_tmp(self) -> None:
+        """Remove temporary folders of processes that died mid-build."""
+        for t in (self.root / "tmp").iterdir():
+            try:
+                pid = int(t.name.split(".")[-2])
+            except (ValueError, IndexError):
+                continue
+            if pid != os.getpid() and not _alive(pid):
+                shutil.rmtree(t, ignore_errors=True)
+
+
+class _Damaged(Exception):
+    pass
+
+
+class CacheWarning(UserWarning):
+    pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

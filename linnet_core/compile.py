@@ -1,0 +1,109 @@
+"""compile_model / load_model: checkpoint -> spec -> IR -> backend artifact (cached) -> session."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .backends import get_backend
+from .backends.base import DTYPES
+from .cache import ArtifactCache, ArtifactKey, model_identity
+from .errors import InputError
+from .hub import ResolvedModel, resolve
+from .models import build_graph, read_config, spec_from_config
+from .models.spec import ModelSpec
+from .runtime.session import Session
+from .weights import Checkpoint, checkpoint_files
+
+DEFAULT_CACHE_LEN = 2048
+DTYPE_CHOICES = ("auto",) + DTYPES
+
+
+@dataclass(frozen=True)
+class Model:
+    """A resolved checkpoint with its spec, ready to compile."""
+
+    resolved: ResolvedModel
+    config: dict
+    spec: ModelSpec
+    files: tuple[Path, ...]
+
+    @property
+    def path(self) -> Path:
+        return self.resolved.path
+
+
+@dataclass(frozen=True)
+class Compiled:
+    model: Model
+    backend: str
+    dtype: str
+    cache_len: int
+    artifact: Path
+    hit: bool
+    seconds: float
+
+
+def open_model(model: str | Path | None, revision: str | None = None) -> Model:
+    resolved = resolve(model, revision)
+    config = read_config(resolved.path)
+    spec = spec_from_config(config)
+    files = tuple(checkpoint_files(resolved.path))
+    return Model(resolved, config, spec, files)
+
+
+def pick_dtype(dtype: str, spec: ModelSpec) -> str:
+    if dtype == "auto":
+        return spec.dtype if spec.dtype in DTYPES else "float32"
+    if dtype not in DTYPES:
+        raise InputError(f"unknown dtype '{dtype}' (choose from: {', '.join(DTYPE_CHOICES)})")
+    return dtype
+
+
+def pick_cache_len(cache_len: int | None, spec: ModelSpec) -> int:
+    if cache_len is None:
+        return min(DEFAULT_CACHE_LEN, spec.max_position_embeddings)
+    if cache_len < 1:
+        raise InputError(f"--cache-len must be at least 1, got {cache_len}")
+    return cache_len
+
+
+def compile_model(model: str | Path | Model | None, backend: str = "torch", dtype: str = "auto",
+                  cache_len: int | None = None, *, revision: str | None = None,
+                  cache: ArtifactCache | None = None) -> Compiled:
+    """Compile (or find in the cache) the artifact of `model` for `backend` and `dtype`."""
+    t0 = time.perf_counter()
+    m = model if isinstance(model, Model) else open_model(model, revision)
+    be = get_backend(backend)
+    dt = pick_dtype(dtype, m.spec)
+    be.check_available(dt)
+    n = pick_cache_len(cache_len, m.spec)
+    key = ArtifactKey(
+        model=m.resolved.repo_id or m.resolved.name,
+        identity=model_identity(m.config, list(m.files)),
+        backend=be.name,
+        dtype=dt,
+        cache_len=n,
+        toolchain=tuple(sorted(be.toolchain().items())),
+    )
+
+    def build(out: Path) -> None:
+        ckpt = Checkpoint(m.files)
+        be.compile(build_graph(m.spec), ckpt, dt, n, out)
+
+    entry = (cache or ArtifactCache()).get_or_build(
+        key, build, meta={"source": str(m.path), "model_type": m.spec.model_type}
+    )
+    return Compiled(m, be.name, dt, n, entry.path, entry.hit, time.perf_counter() - t0)
+
+
+def load_model(model: str | Path | Model | None, backend: str = "torch", dtype: str = "auto",
+               cache_len: int | None = None, rows: int = 1, *, revision: str | None = None,
+               cache: ArtifactCache | None = None, device: str | None = None) -> tuple[Session, Compiled]:
+    """Compile if needed, then load a session with `rows` cache rows."""
+    if rows < 1:
+        raise InputError(f"rows must be at least 1, got {rows}")
+    compiled = compile_model(model, backend, dtype, cache_len, revision=revision, cache=cache)
+    session = get_backend(compiled.backend).load(compiled.artifact, rows, device)
+    return session, compiled

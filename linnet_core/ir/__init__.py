@@ -1,0 +1,1 @@
+"""The Linnet IR: graph, closed op set, verifier and passes."""

@@ -1,0 +1,187 @@
+"""The Linnet IR: a prologue, one decoder block repeated per layer, and an epilogue.
+
+Keeping the repeated block as one body (rather than unrolling L copies) gives emitters a loop
+or a scan for free and keeps generated code short. A graph computes one step for B cache rows:
+inputs `ids [B,T]`, `start [B]` (the first position of the step in each row) and `slots [B]`
+(which cache rows), against a static KV cache `[layers, rows, kv_heads, cache_len, head_dim]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .ops import OPS, infer
+
+
+@dataclass(frozen=True)
+class LayerAttr:
+    """An attribute whose value differs per layer; the values live in `Block.layer_attrs`."""
+
+    key: str
+
+
+@dataclass
+class Value:
+    name: str
+    shape: tuple
+    dtype: str  # "act" (the compile dtype), "i64" or "f32"
+
+
+@dataclass
+class Node:
+    op: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Param:
+    """A weight: concatenation on axis 0 of checkpoint tensors (`{i}` is the layer index)."""
+
+    name: str
+    shape: tuple[int, ...]
+    parts: tuple[str, ...]
+
+    def sources(self, layer: int | None = None) -> list[str]:
+        return [p.format(i=layer) if layer is not None else p for p in self.parts]
+
+
+@dataclass
+class Block:
+    count: int
+    carry: str  # the value that enters each layer and is replaced by `result`
+    result: str = ""
+    params: dict[str, Param] = field(default_factory=dict)
+    nodes: list[Node] = field(default_factory=list)
+    layer_attrs: dict[str, tuple] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass
+class Graph:
+    inputs: list[Value]
+    params: dict[str, Param]
+    prologue: list[Node]
+    block: Block
+    epilogue: list[Node]
+    outputs: tuple[str, ...]
+    values: dict[str, Value]
+    cache: CacheLayout
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def block_param_name(self, local: str, layer: int) -> str:
+        return f"blk.{layer}.{local}"
+
+    def all_params(self) -> list[tuple[str, Param, int | None]]:
+        """(full name, param, layer) for every weight, in a stable order."""
+        out: list[tuple[str, Param, int | None]] = [(n, p, None) for n, p in self.params.items()]
+        for i in range(self.block.count):
+            out += [(self.block_param_name(n, i), p, i) for n, p in self.block.params.items()]
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        def node(n: Node) -> dict:
+            attrs = {k: ({"layer_attr": v.key} if isinstance(v, LayerAttr) else v) for k, v in n.attrs.items()}
+            return {"op": n.op, "in": list(n.inputs), "out": list(n.outputs), "attrs": attrs}
+
+        def params(ps: dict[str, Param]) -> dict:
+            return {n: {"shape": list(p.shape), "parts": list(p.parts)} for n, p in ps.items()}
+
+        return {
+            "meta": self.meta,
+            "inputs": [{"name": v.name, "shape": list(v.shape), "dtype": v.dtype} for v in self.inputs],
+            "params": params(self.params),
+            "prologue": [node(n) for n in self.prologue],
+            "block": {
+                "count": self.block.count,
+                "carry": self.block.carry,
+                "result": self.block.result,
+                "params": params(self.block.params),
+                "nodes": [node(n) for n in self.block.nodes],
+                "layer_attrs": {k: list(v) for k, v in self.block.layer_attrs.items()},
+            },
+            "epilogue": [node(n) for n in self.epilogue],
+            "outputs": list(self.outputs),
+            "values": {n: {"shape": list(v.shape), "dtype": v.dtype} for n, v in self.values.items()},
+            "cache": vars(self.cache),
+        }
+
+
+class GraphBuilder:
+    """Builds a Graph op by op, inferring every shape as it goes (see ops.OPS)."""
+
+    def __init__(self, meta: dict[str, Any] | None = None):
+        self.inputs: list[Value] = []
+        self.params: dict[str, Param] = {}
+        self.values: dict[str, Value] = {}
+        self.prologue: list[Node] = []
+        self.epilogue: list[Node] = []
+        self.block: Block | None = None
+        self._nodes = self.prologue
+        self._params = self.params
+        self.meta = meta or {}
+
+    # -- names -------------------------------------------------------------------------------
+    def _fresh(self, base: str) -> str:
+        name, k = base, 1
+        while name in self.values or name in self.params:
+            k += 1
+            name = f"{base}_{k}"
+        return name
+
+    def input(self, name: str, shape: tuple, dtype: str) -> str:
+        self.inputs.append(Value(name, shape, dtype))
+        self.values[name] = Value(name, shape, dtype)
+        return name
+
+    def param(self, name: str, shape: tuple[int, ...], *parts: str) -> str:
+        self._params[name] = Param(name, tuple(shape), tuple(parts))
+        return name
+
+    def shape(self, name: str) -> tuple:
+        if name in self.values:
+            return self.values[name].shape
+        if self.block is not None and name in self.block.params:
+            return self.block.params[name].shape
+        return self.params[name].shape
+
+    # -- ops ---------------------------------------------------------------------------------
+    def op(self, op: str, inputs: list[str], out: str | list[str], dtype: str = "act", **attrs: Any):
+        """Append a node; returns its output name (or names, when `out` is a list)."""
+        shapes = [self.shape(i) for i in inputs]
+        layer_free = {k: (self.block.layer_attrs[v.key][0] if isinstance(v, LayerAttr) else v) for k, v in attrs.items()}
+        out_shapes = infer(op, shapes, layer_free)
+        names = [self._fresh(o) for o in ([out] if isinstance(out, str) else out)]
+        for n, s in zip(names, out_shapes, strict=True):
+            self.values[n] = Value(n, s, "i64" if op in ("argmax", "positions") else dtype)
+        self._nodes.append(Node(op, tuple(inputs), tuple(names), attrs))
+        return names[0] if isinstance(out, str) else names
+
+    def begin_block(self, count: int, carry: str, **layer_attrs: tuple) -> None:
+        self.block = Block(count, carry, layer_attrs={k: tuple(v) for k, v in layer_attrs.items()})
+        self._nodes, self._params = self.block.nodes, self.block.params
+
+    def end_block(self, result: str) -> str:
+        assert self.block is not None
+        self.block.result = result
+        self._nodes, self._params = self.epilogue, self.params
+        return self.block.carry
+
+    def finish(self, outputs: tuple[str, ...], cache: CacheLayout) -> Graph:
+        from .verify import verify
+
+        assert self.block is not None, "a graph needs its decoder block"
+        g = Graph(self.inputs, self.params, self.prologue, self.block, self.epilogue, outputs, self.values, cache, self.meta)
+        verify(g)
+        return g
+
+
+__all__ = ["Block", "CacheLayout", "Graph", "GraphBuilder", "LayerAttr", "Node", "OPS", "Param", "Value"]

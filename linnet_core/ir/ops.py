@@ -1,0 +1,149 @@
+"""The closed op set of the Linnet IR, with the shape rule of each op.
+
+Shapes are tuples of ints and symbols: "B" (rows in the step), "T" (tokens per row), "T'"
+(T, or 1 when only the last position's logits are wanted). The builder infers output shapes
+with these rules and the verifier re-checks them, so a backend can trust every shape it reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import IRError
+
+Shape = tuple  # of int | str
+
+
+def _same(*shapes: Shape) -> None:
+    if len(set(shapes)) != 1:
+        raise IRError(f"shapes differ: {', '.join(map(str, shapes))}")
+
+
+def _positions(start: Shape, ids: Shape) -> list[Shape]:
+    _same(start[:1], ids[:1])
+    return [ids]
+
+
+def _rope_table(pos: Shape, *, rotary_dim: int, **_) -> list[Shape]:
+    return [pos + (rotary_dim,), pos + (rotary_dim,)]
+
+
+def _embedding(ids: Shape, table: Shape) -> list[Shape]:
+    return [ids + (table[1],)]
+
+
+def _rms_norm(x: Shape, weight: Shape, *, eps: float) -> list[Shape]:
+    _same(x[-1:], weight)
+    return [x]
+
+
+def _linear(x: Shape, weight: Shape, bias: Shape | None = None) -> list[Shape]:
+    if x[-1] != weight[1]:
+        raise IRError(f"linear: input features {x[-1]} != weight columns {weight[1]}")
+    if bias is not None:
+        _same(bias, weight[:1])
+    return [x[:-1] + (weight[0],)]
+
+
+def _split(x: Shape, *, sizes: list[int]) -> list[Shape]:
+    if sum(sizes) != x[-1]:
+        raise IRError(f"split: sizes {sizes} do not add up to {x[-1]}")
+    return [x[:-1] + (s,) for s in sizes]
+
+
+def _reshape(x: Shape, *, shape: list) -> list[Shape]:
+    def numel(s: Shape) -> tuple:
+        ints = [d for d in s if isinstance(d, int)]
+        prod = 1
+        for d in ints:
+            prod *= d
+        return prod, sorted(d for d in s if isinstance(d, str))
+
+    if numel(x) != numel(tuple(shape)):
+        raise IRError(f"reshape: {x} cannot become {tuple(shape)}")
+    return [tuple(shape)]
+
+
+def _rope(x: Shape, cos: Shape, sin: Shape) -> list[Shape]:
+    _same(cos, sin)
+    _same(x[:2], cos[:2])
+    if cos[-1] > x[-1] or cos[-1] % 2:
+        raise IRError(f"rope: rotary dim {cos[-1]} does not fit head dim {x[-1]}")
+    return [x]
+
+
+def _attention(q: Shape, k: Shape, v: Shape, pos: Shape, slots: Shape, *, scale: float, window=None) -> list[Shape]:
+    _same(k, v)
+    _same(q[:2], k[:2], pos)
+    _same(q[-1:], k[-1:])
+    if q[2] % k[2]:
+        raise IRError(f"attention: {q[2]} query heads do not group over {k[2]} KV heads")
+    return [q]
+
+
+def _unary(x: Shape, **_) -> list[Shape]:
+    return [x]
+
+
+def _binary(a: Shape, b: Shape) -> list[Shape]:
+    _same(a, b)
+    return [a]
+
+
+def _last_token(x: Shape) -> list[Shape]:
+    if x[1] != "T":
+        raise IRError("last_token: expects [B, T, ...]")
+    return [(x[0], "T'") + x[2:]]
+
+
+def _argmax(logits: Shape) -> list[Shape]:
+    return [logits[:1]]
+
+
+@dataclass(frozen=True)
+class OpDef:
+    infer: Callable[..., list[Shape]]
+    inputs: int  # required inputs
+    optional: int = 0  # trailing optional inputs
+    attrs: tuple[str, ...] = ()
+    in_block_only: bool = False
+    doc: str = ""
+
+
+OPS: dict[str, OpDef] = {
+    "positions": OpDef(_positions, 2, doc="absolute positions [B,T] = start[:,None] + arange(T)"),
+    "rope_table": OpDef(_rope_table, 1, attrs=("rope", "rotary_dim"), doc="cos, sin [B,T,rot] for positions"),
+    "embedding": OpDef(_embedding, 2, doc="row lookup of token ids in a table"),
+    "rms_norm": OpDef(_rms_norm, 2, attrs=("eps",), doc="x / rms(x) * weight over the last axis, in float32"),
+    "linear": OpDef(_linear, 2, optional=1, doc="x @ weight.T (+ bias)"),
+    "split": OpDef(_split, 1, attrs=("sizes",), doc="split the last axis"),
+    "reshape": OpDef(_reshape, 1, attrs=("shape",), doc="reshape (symbols B and T kept)"),
+    "rope": OpDef(_rope, 3, doc="rotate the first rotary_dim features of each head (rotate-half layout)"),
+    "attention": OpDef(
+        _attention, 5, attrs=("scale", "window"), in_block_only=True,
+        doc="write k, v into this layer's cache rows at pos, attend causally (GQA, optional window)",
+    ),
+    "silu": OpDef(_unary, 1),
+    "gelu": OpDef(_unary, 1, attrs=("approximate",)),
+    "mul": OpDef(_binary, 2),
+    "add": OpDef(_binary, 2),
+    "last_token": OpDef(_last_token, 1, doc="x[:, -1:] unless all positions' logits are asked for"),
+    "argmax": OpDef(_argmax, 1, doc="greedy next token from the last position's logits"),
+}
+
+
+def infer(op: str, shapes: list[Shape], attrs: dict) -> list[Shape]:
+    """Output shapes of `op`; raises IRError naming the op when the inputs do not fit."""
+    if op not in OPS:
+        raise IRError(f"unknown op '{op}' (the IR has: {', '.join(OPS)})")
+    d = OPS[op]
+    if not d.inputs <= len(shapes) <= d.inputs + d.optional:
+        raise IRError(f"{op}: takes {d.inputs} inputs, got {len(shapes)}")
+    missing = [a for a in d.attrs if a not in attrs]
+    if missing:
+        raise IRError(f"{op}: missing attribute(s) {', '.join(missing)}")
+    try:
+        return d.infer(*shapes, **{k: attrs[k] for k in d.attrs})
+    except IRError as e:
+        raise IRError(f"{op}: {e.message}") from None

@@ -1,0 +1,65 @@
+"""Architecture families, one module each, named after Hugging Face `model_type`.
+
+Adding a family is one module with `MODEL_TYPE`, `ALIASES`, `parse_config`, `weight_names` and
+`build_graph`, and one line in FAMILIES; variants are aliases, never copied files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+
+from ..errors import CheckpointError, UnsupportedModel
+from . import llama, phi3, qwen2, qwen3
+from .spec import ModelSpec
+
+FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (llama, qwen2, qwen3, phi3)}
+MODEL_TYPES: dict[str, ModuleType] = {
+    **FAMILIES, **{alias: m for m in FAMILIES.values() for alias in m.ALIASES}
+}
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder}: no config.json (is this a Hugging Face checkpoint folder?)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{path}: not valid JSON") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    # Multimodal wrappers keep the decoder's settings under text_config.
+    return {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def family(model_type: str) -> ModuleType:
+    try:
+        return MODEL_TYPES[model_type]
+    except KeyError:
+        raise UnsupportedModel(
+            f"model_type '{model_type}' is not supported (supported: {', '.join(sorted(MODEL_TYPES))})"
+        ) from None
+
+
+def spec_from_config(cfg: dict) -> ModelSpec:
+    model_type = cfg.get("model_type")
+    if not model_type:
+        raise UnsupportedModel("config.json has no model_type")
+    try:
+        return family(model_type).parse_config(cfg, model_type)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UnsupportedModel(f"config.json for '{model_type}' is missing or has a bad value: {e}") from None
+
+
+def load_spec(folder: Path) -> ModelSpec:
+    return spec_from_config(read_config(folder))
+
+
+def build_graph(spec: ModelSpec):
+    """The verified IR graph of a spec, as its family builds it (before passes)."""
+    return family(spec.model_type).build_graph(spec)
+
+
+__all__ = ["FAMILIES", "MODEL_TYPES", "ModelSpec", "build_graph", "family", "load_spec", "spec_from_config"]

@@ -1,0 +1,127 @@
+"""The pre-norm decoder every supported family shares, built into the Linnet IR from a ModelSpec.
+
+A family contributes its config reading and a weight map: Linnet's tensor roles (GGUF-style
+names such as `attn_q.weight`) to checkpoint names. Roles it maps decide the graph's shape
+where checkpoints differ (a fused `attn_qkv` or separate q/k/v; q/k norms; biases).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from ..ir.graph import CacheLayout, Graph, GraphBuilder, LayerAttr
+from .spec import ModelSpec
+
+GLOBAL_ROLES = ("token_embd.weight", "output_norm.weight", "output.weight")
+BLOCK_ROLES = (
+    "attn_norm.weight",
+    "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_qkv.weight",
+    "attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_qkv.bias",
+    "attn_q_norm.weight", "attn_k_norm.weight",
+    "attn_output.weight", "attn_output.bias",
+    "ffn_norm.weight",
+    "ffn_gate.weight", "ffn_up.weight", "ffn_gate_up.weight", "ffn_down.weight",
+    "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias",
+)
+
+
+def build_decoder(spec: ModelSpec, names: dict[str, str]) -> Graph:
+    """The step graph of a pre-norm decoder; `names` maps roles to checkpoint tensor names."""
+    H, V, L = spec.hidden_size, spec.vocab_size, spec.num_layers
+    nh, kvh, hd, ff = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
+    b = GraphBuilder(meta={"model_type": spec.model_type, "family": spec.family, "spec": spec.to_json()})
+
+    ids = b.input("ids", ("B", "T"), "i64")
+    start = b.input("start", ("B",), "i64")
+    slots = b.input("slots", ("B",), "i64")
+    pos = b.op("positions", [start, ids], "pos")
+    cos, sin = b.op("rope_table", [pos], ["rope_cos", "rope_sin"], rope=asdict(spec.rope), rotary_dim=spec.rotary_dim)
+    table = b.param("token_embd.weight", (V, H), names["token_embd.weight"])
+    x = b.op("embedding", [ids, table], "x")
+
+    def linear(inp: str, role: str, out_features: int, in_features: int, out: str) -> str:
+        w = b.param(f"{role}.weight", (out_features, in_features), names[f"{role}.weight"])
+        args = [inp, w]
+        if f"{role}.bias" in names:
+            args.append(b.param(f"{role}.bias", (out_features,), names[f"{role}.bias"]))
+        return b.op("linear", args, out)
+
+    b.begin_block(L, x, window=spec.layer_windows)
+    h = b.op("rms_norm", [x, b.param("attn_norm.weight", (H,), names["attn_norm.weight"])], "h", eps=spec.rms_norm_eps)
+    if "attn_qkv.weight" in names:
+        qkv = linear(h, "attn_qkv", (nh + 2 * kvh) * hd, H, "qkv")
+        q, k, v = b.op("split", [qkv], ["q", "k", "v"], sizes=[nh * hd, kvh * hd, kvh * hd])
+    else:
+        q = linear(h, "attn_q", nh * hd, H, "q")
+        k = linear(h, "attn_k", kvh * hd, H, "k")
+        v = linear(h, "attn_v", kvh * hd, H, "v")
+    q = b.op("reshape", [q], "q_heads", shape=["B", "T", nh, hd])
+    k = b.op("reshape", [k], "k_heads", shape=["B", "T", kvh, hd])
+    v = b.op("reshape", [v], "v_heads", shape=["B", "T", kvh, hd])
+    if spec.qk_norm:
+        q = b.op("rms_norm", [q, b.param("attn_q_norm.weight", (hd,), names["attn_q_norm.weight"])], "q_normed",
+                 eps=spec.rms_norm_eps)
+        k = b.op("rms_norm", [k, b.param("attn_k_norm.weight", (hd,), names["attn_k_norm.weight"])], "k_normed",
+                 eps=spec.rms_norm_eps)
+    q = b.op("rope", [q, cos, sin], "q_rot")
+    k = b.op("rope", [k, cos, sin], "k_rot")
+    a = b.op("attention", [q, k, v, pos, slots], "attn", scale=hd**-0.5, window=LayerAttr("window"))
+    a = b.op("reshape", [a], "attn_flat", shape=["B", "T", nh * hd])
+    o = linear(a, "attn_output", H, nh * hd, "attn_out")
+    x1 = b.op("add", [x, o], "x_attn")
+    h2 = b.op("rms_norm", [x1, b.param("ffn_norm.weight", (H,), names["ffn_norm.weight"])], "h_ffn",
+              eps=spec.rms_norm_eps)
+    if "ffn_gate_up.weight" in names:
+        gu = linear(h2, "ffn_gate_up", 2 * ff, H, "gate_up")
+        gate, up = b.op("split", [gu], ["gate", "up"], sizes=[ff, ff])
+    else:
+        gate = linear(h2, "ffn_gate", ff, H, "gate")
+        up = linear(h2, "ffn_up", ff, H, "up")
+    if spec.hidden_act == "silu":
+        act = b.op("silu", [gate], "act")
+    else:
+        act = b.op("gelu", [gate], "act", approximate="tanh" if spec.hidden_act.endswith("tanh") else "none")
+    m = b.op("mul", [act, up], "ffn_mid")
+    d = linear(m, "ffn_down", H, ff, "ffn_out")
+    x = b.end_block(b.op("add", [x1, d], "x_out"))
+
+    last = b.op("last_token", [x], "x_last")
+    normed = b.op("rms_norm", [last, b.param("output_norm.weight", (H,), names["output_norm.weight"])], "x_final",
+                  eps=spec.rms_norm_eps)
+    head = table if spec.tie_word_embeddings else b.param("output.weight", (V, H), names["output.weight"])
+    logits = b.op("linear", [normed, head], "logits")
+    nxt = b.op("argmax", [logits], "next_token")
+    return b.finish((nxt, logits), CacheLayout(L, kvh, hd))
+
+
+def hf_llama_style_names(spec: ModelSpec, *, fused_qkv: bool = False, fused_gate_up: bool = False,
+                         qkv_bias: bool = False, o_bias: bool = False, mlp_bias: bool = False,
+                         qk_norm: bool = False) -> dict[str, str]:
+    """The weight map of the `model.layers.{i}.self_attn.*` / `mlp.*` layout most families share."""
+    layer = "model.layers.{i}"
+    names = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "attn_norm.weight": f"{layer}.input_layernorm.weight",
+        "attn_output.weight": f"{layer}.self_attn.o_proj.weight",
+        "ffn_norm.weight": f"{layer}.post_attention_layernorm.weight",
+        "ffn_down.weight": f"{layer}.mlp.down_proj.weight",
+    }
+    if not spec.tie_word_embeddings:
+        names["output.weight"] = "lm_head.weight"
+    projections = ["qkv"] if fused_qkv else ["q", "k", "v"]
+    for p in projections:
+        names[f"attn_{p}.weight"] = f"{layer}.self_attn.{p}_proj.weight"
+        if qkv_bias:
+            names[f"attn_{p}.bias"] = f"{layer}.self_attn.{p}_proj.bias"
+    if o_bias:
+        names["attn_output.bias"] = f"{layer}.self_attn.o_proj.bias"
+    if qk_norm:
+        names["attn_q_norm.weight"] = f"{layer}.self_attn.q_norm.weight"
+        names["attn_k_norm.weight"] = f"{layer}.self_attn.k_norm.weight"
+    mlp = ["gate_up"] if fused_gate_up else ["gate", "up"]
+    for p in mlp + ["down"]:
+        names[f"ffn_{p}.weight"] = f"{layer}.mlp.{p}_proj.weight"
+        if mlp_bias:
+            names[f"ffn_{p}.bias"] = f"{layer}.mlp.{p}_proj.bias"
+    return names

@@ -1,0 +1,21 @@
+"""Llama and its kin (Mistral is an alias: same layout, a config that may set `sliding_window`)."""
+
+from __future__ import annotations
+
+from .decoder import build_decoder, hf_llama_style_names
+from .spec import ModelSpec, common_spec
+
+MODEL_TYPE = "llama"
+ALIASES = ("mistral",)
+
+
+def parse_config(cfg: dict, model_type: str) -> ModelSpec:
+    return common_spec(cfg, model_type, MODEL_TYPE)
+
+
+def weight_names(spec: ModelSpec) -> dict[str, str]:
+    return hf_llama_style_names(spec, qkv_bias=spec.qkv_bias, o_bias=spec.o_bias, mlp_bias=spec.mlp_bias)
+
+
+def build_graph(spec: ModelSpec):
+    return build_decoder(spec, weight_names(spec))

@@ -1,0 +1,21 @@
+"""Phi-3: fused `qkv_proj` and `gate_up_proj` in the checkpoint, partial rotary, sliding window."""
+
+from __future__ import annotations
+
+from .decoder import build_decoder, hf_llama_style_names
+from .spec import ModelSpec, common_spec
+
+MODEL_TYPE = "phi3"
+ALIASES = ()
+
+
+def parse_config(cfg: dict, model_type: str) -> ModelSpec:
+    return common_spec(cfg, model_type, MODEL_TYPE, qkv_bias=False, o_bias=False, mlp_bias=False)
+
+
+def weight_names(spec: ModelSpec) -> dict[str, str]:
+    return hf_llama_style_names(spec, fused_qkv=True, fused_gate_up=True)
+
+
+def build_graph(spec: ModelSpec):
+    return build_decoder(spec, weight_names(spec))

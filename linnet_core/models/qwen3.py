@@ -1,0 +1,24 @@
+"""Qwen3: per-head RMS norm of q and k before rope; `head_dim` may differ from hidden / heads."""
+
+from __future__ import annotations
+
+from .decoder import build_decoder, hf_llama_style_names
+from .qwen2 import _windows
+from .spec import ModelSpec, common_spec
+
+MODEL_TYPE = "qwen3"
+ALIASES = ()
+
+
+def parse_config(cfg: dict, model_type: str) -> ModelSpec:
+    windows = _windows(cfg, int(cfg["num_hidden_layers"]))
+    overrides = {"layer_windows": windows} if windows else {}
+    return common_spec(cfg, model_type, MODEL_TYPE, qk_norm=True, **overrides)
+
+
+def weight_names(spec: ModelSpec) -> dict[str, str]:
+    return hf_llama_style_names(spec, qkv_bias=spec.qkv_bias, o_bias=spec.o_bias, qk_norm=True)
+
+
+def build_graph(spec: ModelSpec):
+    return build_decoder(spec, weight_names(spec))

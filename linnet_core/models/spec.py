@@ -1,0 +1,166 @@
+"""ModelSpec: a decoder-only checkpoint's config, normalised across families and config styles.
+
+Family modules fill it from `config.json`; everything downstream (graph builders, emitters,
+exports) reads only this. Both config styles are read here once: transformers 5
+(`rope_parameters`, `dtype`) and older (`rope_theta`, `rope_scaling` with `type`/`rope_type`,
+`torch_dtype`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import UnsupportedModel
+
+ROPE_TYPES = ("default", "linear", "llama3")
+DTYPE_NAMES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "fp32": "float32",
+               "fp16": "float16", "bf16": "bfloat16", "half": "float16", "float": "float32"}
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    partial_rotary_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str  # as the config names it (an alias such as "mistral" stays visible)
+    family: str  # the module that handles it
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    layer_windows: tuple[int | None, ...]  # sliding window per layer; None = full causal
+    hidden_act: str = "silu"
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    dtype: str = "float32"  # the checkpoint's stored dtype
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("extra")
+        return d
+
+
+def require(cfg: dict, *keys: str) -> Any:
+    """The first of `keys` present in the config; refuse the config by name when none is."""
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    raise UnsupportedModel(f"config.json has no '{keys[0]}'", hint="is this a decoder-only LLM checkpoint?")
+
+
+def read_dtype(cfg: dict) -> str:
+    raw = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return DTYPE_NAMES.get(str(raw).replace("torch.", ""), "float32")
+
+
+def read_rope(cfg: dict) -> RopeSpec:
+    """Rope settings from either config style; unknown rope types are refused by name."""
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = dict(cfg.get("rope_scaling") or {})
+    merged = {**legacy, **params}
+    kind = merged.get("rope_type") or merged.get("type") or "default"
+    if kind not in ROPE_TYPES:
+        raise UnsupportedModel(
+            f"rope type '{kind}' is not supported (supported: {', '.join(ROPE_TYPES)})"
+        )
+    theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    partial = merged.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0
+    spec = RopeSpec(type=kind, theta=float(theta), partial_rotary_factor=float(partial))
+    if kind == "linear":
+        spec = RopeSpec(**{**asdict(spec), "factor": float(merged["factor"])})
+    elif kind == "llama3":
+        try:
+            spec = RopeSpec(
+                **{
+                    **asdict(spec),
+                    "factor": float(merged["factor"]),
+                    "low_freq_factor": float(merged["low_freq_factor"]),
+                    "high_freq_factor": float(merged["high_freq_factor"]),
+                    "original_max_position_embeddings": int(
+                        merged.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
+                    ),
+                }
+            )
+        except KeyError as e:
+            raise UnsupportedModel(f"llama3 rope scaling lacks '{e.args[0]}' in config.json") from None
+    return spec
+
+
+def read_windows(cfg: dict, num_layers: int) -> tuple[int | None, ...]:
+    """Sliding window per layer, from `layer_types` when present, else from `sliding_window`."""
+    window = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types[:num_layers])
+    if not window or cfg.get("use_sliding_window") is False:
+        return (None,) * num_layers
+    return (int(window),) * num_layers
+
+
+def read_eos(cfg: dict) -> tuple[int, ...]:
+    eos = cfg.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def common_spec(cfg: dict, model_type: str, family: str, **overrides: Any) -> ModelSpec:
+    """The fields every supported family reads the same way; families override the rest."""
+    hidden = int(require(cfg, "hidden_size"))
+    heads = int(require(cfg, "num_attention_heads"))
+    layers = int(require(cfg, "num_hidden_layers"))
+    fields: dict[str, Any] = dict(
+        model_type=model_type,
+        family=family,
+        vocab_size=int(require(cfg, "vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(require(cfg, "intermediate_size")),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=read_rope(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        layer_windows=read_windows(cfg, layers),
+        hidden_act=str(cfg.get("hidden_act", "silu")),
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        o_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        dtype=read_dtype(cfg),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=read_eos(cfg),
+    )
+    fields.update(overrides)
+    spec = ModelSpec(**fields)
+    if spec.num_heads % spec.num_kv_heads:
+        raise UnsupportedModel(f"{spec.num_heads} attention heads do not divide into {spec.num_kv_heads} KV heads")
+    if spec.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh"):
+        raise UnsupportedModel(f"activation '{spec.hidden_act}' is not supported (supported: silu, gelu)")
+    return spec

@@ -1,0 +1,1 @@
+"""Runtime: sessions over compiled artifacts (prefill / decode / token choice) and generation."""

@@ -1,0 +1,85 @@
+"""Session: the runtime contract every backend fulfils over its compiled artifact.
+
+`prefill(ids, slot, start)` runs T prompt tokens of one cache row; `decode(ids, positions, slots)`
+runs one token for each of B rows at once. Both return the next token per row, chosen on the
+device (greedy unless a Sampler says otherwise), and only move logits to the host on request.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import InputError
+from .sampling import Sampler
+
+
+@dataclass
+class StepOutput:
+    tokens: list[int]  # next token per row
+    logits: np.ndarray | None = None  # float32 [B, T', V] when asked for
+
+
+class Session(ABC):
+    backend: str
+    dtype: str
+    rows: int
+    cache_len: int
+    vocab_size: int
+
+    @abstractmethod
+    def _run(self, ids: Sequence[Sequence[int]], start: Sequence[int], slots: Sequence[int],
+             all_logits: bool) -> tuple[Any, Any]:
+        """One step on the device: (greedy next tokens [B], logits [B, T', V]), both device tensors."""
+
+    @abstractmethod
+    def _to_host(self, tensor: Any) -> np.ndarray:
+        """A device tensor as a float32 / int64 numpy array."""
+
+    def _check(self, length: int, start: int, slot: int) -> None:
+        if not 0 <= slot < self.rows:
+            raise InputError(f"cache row {slot} is out of range (this session has {self.rows} rows)")
+        if start < 0 or start + length > self.cache_len:
+            raise InputError(
+                f"{start + length} positions do not fit the cache length {self.cache_len}",
+                hint="use a shorter prompt or fewer new tokens, or compile with a larger --cache-len",
+            )
+
+    def _choose(self, greedy: Any, logits: Any, samplers: Sequence[Sampler | None]) -> list[int]:
+        tokens = [int(t) for t in self._to_host(greedy).reshape(-1)]
+        for row, sampler in enumerate(samplers):
+            if sampler is not None and not sampler.greedy:
+                tokens[row] = self._sample(logits, row, sampler)
+        return tokens
+
+    def _sample(self, logits: Any, row: int, sampler: Sampler) -> int:
+        return sampler.pick(logits[row, -1])
+
+    def prefill(self, ids: Sequence[int], slot: int = 0, start: int = 0, *, logits: str = "none",
+                sampler: Sampler | None = None) -> StepOutput:
+        """Run prompt tokens `ids` at positions start.. of cache row `slot`.
+
+        logits: "none", "last" ([1, 1, V]) or "all" ([1, T, V]).
+        """
+        if not len(ids):
+            raise InputError("the prompt is empty")
+        self._check(len(ids), start, slot)
+        greedy, out = self._run([list(ids)], [start], [slot], all_logits=logits == "all")
+        tokens = self._choose(greedy, out, [sampler])
+        return StepOutput(tokens, self._to_host(out) if logits != "none" else None)
+
+    def decode(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int], *, logits: bool = False,
+               samplers: Sequence[Sampler | None] | None = None) -> StepOutput:
+        """One token for each of B rows: ids[b] at positions[b] of cache row slots[b]."""
+        if not (len(ids) == len(positions) == len(slots)) or not len(ids):
+            raise InputError("decode needs one id, one position and one slot per row")
+        if len(set(slots)) != len(slots):
+            raise InputError("decode got the same cache row twice in one step")
+        for p, s in zip(positions, slots):
+            self._check(1, p, s)
+        greedy, out = self._run([[t] for t in ids], list(positions), list(slots), all_logits=False)
+        tokens = self._choose(greedy, out, samplers or [None] * len(ids))
+        return StepOutput(tokens, self._to_host(out) if logits else None)

@@ -1,0 +1,138 @@
+"""Tokenizers from checkpoint folders: `tokenizer.json` through `tokenizers`, chat templates via Jinja.
+
+Reading the files directly keeps `linnet run` light; checkpoints with only a SentencePiece
+model fall back to transformers' AutoTokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointError, InputError
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # older configs store AddedToken dicts
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{path}: not valid JSON") from None
+    return data if isinstance(data, dict) else {}
+
+
+class Tokenizer:
+    def __init__(self, folder: Path):
+        self.folder = folder
+        cfg = _read_json(folder / "tokenizer_config.json")
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.chat_template = self._chat_template(folder, cfg)
+        path = folder / "tokenizer.json"
+        if path.is_file():
+            from tokenizers import Tokenizer as HFTokenizer
+
+            try:
+                self._tok = HFTokenizer.from_file(str(path))
+            except Exception as e:  # the Rust parser reports its own reason
+                raise CheckpointError(f"{path}: cannot be read as a tokenizer ({e})") from None
+            self._fallback = None
+        elif (folder / "tokenizer.model").is_file():
+            from transformers import AutoTokenizer
+
+            self._fallback = AutoTokenizer.from_pretrained(str(folder))
+            self._tok = None
+        else:
+            raise CheckpointError(f"{folder}: no tokenizer.json or tokenizer.model", hint="pass token ids instead")
+        gen = _read_json(folder / "generation_config.json")
+        eos = gen.get("eos_token_id")
+        self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+        if self.eos_token is not None and self.token_id(self.eos_token) is not None:
+            self.eos_ids.add(self.token_id(self.eos_token))
+
+    @staticmethod
+    def _chat_template(folder: Path, cfg: dict) -> str | None:
+        jinja = folder / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text(encoding="utf-8")
+        template = cfg.get("chat_template") or _read_json(folder / "chat_template.json").get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return template
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size() if self._tok else len(self._fallback)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token) if self._tok else self._fallback.convert_tokens_to_ids(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._tok:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._fallback.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int]) -> str:
+        if self._tok:
+            return self._tok.decode(ids, skip_special_tokens=True)
+        return self._fallback.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of `messages` rendered by the checkpoint's template, ready for the reply."""
+        if not self.chat_template:
+            raise InputError(f"{self.folder} has no chat template", hint="drop --chat to send the prompt as it is")
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str):
+            raise InputError(f"the chat template refused the messages: {message}")
+
+        env.globals["raise_exception"] = raise_exception
+        try:
+            text = env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as e:
+            raise InputError(f"the checkpoint's chat template failed to render: {e}") from None
+        return self.encode(text, add_special_tokens=False)
+
+
+class IncrementalDecoder:
+    """Text deltas for a growing token list that never split a UTF-8 character.
+
+    Decodes a short window and holds text back while it ends in U+FFFD (an incomplete byte
+    sequence), as TGI and vLLM do.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return text[len(prefix):]
+        return ""
+
+    def flush(self) -> str:
+        """What is left when generation ends (a trailing partial character included)."""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix):]

@@ -1,0 +1,88 @@
+"""verify: a backend against the reference on the same tokens, with a distance and a verdict.
+
+Distance from reference = the largest absolute logit difference over the prefill positions and
+N teacher-forced decode steps (both sides are fed the reference's greedy tokens). Top-1
+agreement is reported beside it. The tolerance depends on the dtype and scales with the size of
+the reference logits, since a rounding error is relative to the number rounded.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .compile import Model, load_model, open_model
+from .errors import InputError
+from .reference import load_reference, run_reference
+from .tokenizer import Tokenizer
+
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}  # times max(1, max |reference logit|)
+DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Python's documentation says that"
+
+
+@dataclass
+class VerifyReport:
+    model: str
+    backend: str
+    dtype: str
+    prompt_tokens: int
+    steps: int
+    distance: float
+    tolerance: float
+    top1_agreement: float
+    tokens_match: bool
+    passed: bool
+    reference_tokens: list[int]
+    backend_tokens: list[int]
+    artifact: str
+    seconds: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def prompt_ids(model: Model, prompt: str | None) -> list[int]:
+    try:
+        tok = Tokenizer(model.path)
+    except Exception:
+        tok = None
+    if tok is None:
+        if prompt:
+            raise InputError(f"{model.path} has no tokenizer, so a text prompt cannot be encoded")
+        # Without a tokenizer, a fixed spread of ids in the vocabulary stands in for text.
+        return [(17 * i + 3) % model.spec.vocab_size for i in range(12)]
+    ids = tok.encode(prompt or DEFAULT_PROMPT)
+    return [i for i in ids if i < model.spec.vocab_size]
+
+
+def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str = "float32", steps: int = 8,
+           prompt: str | None = None, cache_len: int | None = None, reference=None, **load_kw) -> VerifyReport:
+    """Run reference and backend on the same tokens; `reference` may pass a loaded transformers model."""
+    t0 = time.perf_counter()
+    m = model if isinstance(model, Model) else open_model(model, load_kw.pop("revision", None))
+    ids = prompt_ids(m, prompt)
+    if steps < 1:
+        raise InputError(f"--steps must be at least 1, got {steps}")
+    need = len(ids) + steps
+    session, compiled = load_model(m, backend, dtype, cache_len, rows=1, **load_kw)
+    if need > session.cache_len:
+        raise InputError(f"the prompt and {steps} steps need {need} positions; the cache has {session.cache_len}")
+    ref = run_reference(reference if reference is not None else load_reference(m.path), ids, steps)
+
+    got = [session.prefill(ids, logits="all")]
+    for k in range(steps):
+        got.append(session.decode([ref.tokens[k]], [len(ids) + k], [0], logits=True))
+    logits = np.concatenate([g.logits[0] for g in got])  # [T + steps, V]
+    tokens = [g.tokens[0] for g in got]
+    distance = float(np.abs(logits - ref.logits).max())
+    top1 = float((logits.argmax(-1) == ref.logits.argmax(-1)).mean())
+    tolerance = TOLERANCE[compiled.dtype] * max(1.0, float(np.abs(ref.logits).max()))
+    return VerifyReport(
+        model=m.resolved.name, backend=compiled.backend, dtype=compiled.dtype, prompt_tokens=len(ids), steps=steps,
+        distance=distance, tolerance=tolerance, top1_agreement=top1, tokens_match=tokens == ref.tokens,
+        passed=bool(distance <= tolerance), reference_tokens=ref.tokens, backend_tokens=tokens,
+        artifact=str(compiled.artifact), seconds=time.perf_counter() - t0,
+    )

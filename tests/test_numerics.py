@@ -1,0 +1,108 @@
+"""Every family and feature against transformers (eager), in numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import CASE_IDS
+
+from linnet_core.compile import load_model, open_model
+from linnet_core.reference import load_reference, run_reference
+from linnet_core.verify import TOLERANCE, verify
+
+STEPS = 8
+PROMPT = [3, 17, 42, 7, 99, 120, 5, 64, 33, 150, 11, 2]  # 12 tokens: longer than the window-8 fixtures
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints):
+    return {}
+
+
+def _reference(references, checkpoints, case):
+    if case not in references:
+        references[case] = load_reference(checkpoints[case])
+    return references[case]
+
+
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_float32_matches_transformers(case, checkpoints, references):
+    r = verify(checkpoints[case], "torch", "float32", steps=STEPS, reference=_reference(references, checkpoints, case))
+    assert r.prompt_tokens + r.steps >= 20
+    assert r.distance <= 1e-4, r
+    assert r.tokens_match, (r.reference_tokens, r.backend_tokens)
+    assert r.top1_agreement == 1.0
+    assert r.passed
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_half_dtypes_within_tolerance(case, dtype, checkpoints, references):
+    r = verify(checkpoints[case], "torch", dtype, steps=STEPS, reference=_reference(references, checkpoints, case))
+    assert r.dtype == dtype
+    assert 0 < r.distance <= r.tolerance, r
+    assert r.tolerance <= TOLERANCE[dtype] * max(1.0, 50.0)
+    assert r.passed
+
+
+@pytest.mark.parametrize("case", ["llama-gqa-untied", "mistral-window", "qwen3-headdim128", "phi3-fused-window"])
+def test_rows_decoded_together_match_each_alone(case, checkpoints):
+    session, _ = load_model(checkpoints[case], "torch", "float32", 64, rows=3)
+    prompts = {0: PROMPT[:5], 2: PROMPT[3:12]}  # different lengths, so rows sit at different positions
+
+    def alone(slot, prompt):
+        tokens = [session.prefill(prompt, slot=slot).tokens[0]]
+        for k in range(STEPS):
+            tokens.append(session.decode([tokens[-1]], [len(prompt) + k], [slot]).tokens[0])
+        return tokens
+
+    expected = {slot: alone(slot, p) for slot, p in prompts.items()}
+    together = {slot: [session.prefill(p, slot=slot).tokens[0]] for slot, p in prompts.items()}
+    logits_b = []
+    for k in range(STEPS):
+        slots = list(prompts)
+        out = session.decode([together[s][-1] for s in slots], [len(prompts[s]) + k for s in slots], slots,
+                             logits=True)
+        logits_b.append(out.logits)
+        for s, t in zip(slots, out.tokens):
+            together[s].append(t)
+    assert together == expected
+
+
+def test_decode_logits_batched_equal_single(checkpoints):
+    """Batching changes which GEMM kernel runs, not the numbers beyond rounding."""
+    path = checkpoints["qwen2-bias-tied"]
+    session, _ = load_model(path, "torch", "float32", 64, rows=2)
+    for slot in (0, 1):
+        session.prefill(PROMPT[: 4 + slot], slot=slot)
+    single = [session.decode([7], [4 + s], [s], logits=True).logits[0, -1] for s in (0, 1)]
+    both = session.decode([7, 7], [4, 5], [0, 1], logits=True).logits[:, -1]
+    np.testing.assert_allclose(both, np.stack(single), atol=1e-5)
+
+
+def test_reference_teacher_forcing_is_consistent(checkpoints):
+    """The reference's incremental decode equals one full forward over the same tokens."""
+    path = checkpoints["llama-gqa-untied"]
+    model = load_reference(path)
+    run = run_reference(model, PROMPT, 4)
+    full = PROMPT + run.tokens[:4]
+    with torch.no_grad():
+        logits = model(torch.tensor([full])).logits[0].numpy()
+    np.testing.assert_allclose(run.logits, logits, atol=1e-5)
+
+
+def test_sampling_is_seeded_and_chosen_on_device(checkpoints):
+    from linnet_core.runtime.generate import Generation
+    from linnet_core.runtime.sampling import Sampler, SamplingParams
+
+    session, _ = load_model(checkpoints["qwen3-headdim128"], "torch", "float32", 64)
+
+    def sample(seed):
+        sampler = Sampler(SamplingParams(temperature=1.5, top_p=0.9, top_k=50, seed=seed))
+        return list(Generation(session, PROMPT, 12, sampler))
+
+    assert sample(1) == sample(1)
+    assert sample(1) != sample(2)
+    greedy = list(Generation(session, PROMPT, 12))
+    assert list(Generation(session, PROMPT, 12, Sampler(SamplingParams(temperature=1.0, top_k=1)))) == greedy
