@@ -66,20 +66,28 @@ def resolve(model: str | os.PathLike | None, revision: str | None = None) -> Res
     return ResolvedModel(text, _snapshot(repo_id, revision), repo_id, revision)
 
 
+def hf_cache_dir() -> str | None:
+    """The hub cache as the environment says now (huggingface_hub reads it once, at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.environ["HF_HOME"], "hub")
+    return None
+
+
 def _snapshot(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    kw = dict(revision=revision, allow_patterns=FETCH_PATTERNS, cache_dir=hf_cache_dir())
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=FETCH_PATTERNS, local_files_only=True))
-    except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
-        pass
-    except HfHubHTTPError:
+        return Path(snapshot_download(repo_id, local_files_only=True, **kw))
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError, HfHubHTTPError):
         pass
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     if not offline:
         try:
-            return Path(snapshot_download(repo_id, revision=revision, allow_patterns=FETCH_PATTERNS))
+            return Path(snapshot_download(repo_id, **kw))
         except Exception as e:  # network, auth, unknown repo: all end in the same advice
             reason = type(e).__name__
         else:  # pragma: no cover - returned above

@@ -1,0 +1,1 @@
+complete --command linnet --no-files --arguments "(env _LINNET_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) linnet)" --condition "env _LINNET_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) linnet"

@@ -1,0 +1,142 @@
+"""The artifact cache: hits, misses, damage, concurrency and interruption."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from linnet_core.backends import get_backend
+from linnet_core.cache import ArtifactCache, CacheWarning, cache_root
+from linnet_core.compile import compile_model
+from linnet_core.errors import CacheError
+from linnet_core.weights import Checkpoint, write_safetensors
+
+
+@pytest.fixture
+def cache(tmp_path):
+    return ArtifactCache(tmp_path / "cache")
+
+
+@pytest.fixture
+def model(checkpoints, tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(checkpoints["qwen2-bias-tied"], dst)
+    return dst
+
+
+def test_root_follows_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("LINNET_CACHE", str(tmp_path / "a"))
+    assert cache_root() == tmp_path / "a"
+    monkeypatch.delenv("LINNET_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "linnet"
+
+
+def test_second_compile_is_a_hit(model, cache):
+    first = compile_model(model, "torch", "float32", 32, cache=cache)
+    second = compile_model(model, "torch", "float32", 32, cache=cache)
+    assert (first.hit, second.hit) == (False, True)
+    assert first.artifact == second.artifact
+    assert {"model.py", "weights.safetensors", "manifest.json", "graph.json"} <= {p.name for p in first.artifact.iterdir()}
+
+
+def test_key_covers_dtype_cache_len_and_backend_toolchain(model, cache, monkeypatch):
+    base = compile_model(model, "torch", "float32", 32, cache=cache).artifact
+    assert compile_model(model, "torch", "bfloat16", 32, cache=cache).artifact != base
+    assert compile_model(model, "torch", "float32", 48, cache=cache).artifact != base
+    monkeypatch.setattr(type(get_backend("torch")), "toolchain", lambda self: {"torch": "0.0-other"})
+    assert not compile_model(model, "torch", "float32", 32, cache=cache).hit
+
+
+def test_changed_weights_miss(model, cache):
+    first = compile_model(model, "torch", "float32", 32, cache=cache)
+    ckpt = Checkpoint.from_folder(model)
+    tensors = {n: ckpt.get(n).clone() for n in ckpt.tensors}
+    tensors["model.norm.weight"] += 1  # same shapes, other numbers
+    f = model / "model.safetensors"
+    f.unlink()
+    write_safetensors(f, [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], iter(tensors.values()))
+    second = compile_model(model, "torch", "float32", 32, cache=cache)
+    assert not second.hit and second.artifact != first.artifact
+
+
+@pytest.mark.parametrize("damage", ["truncate-weights", "edit-code", "drop-manifest"])
+def test_damaged_entry_is_rebuilt_with_a_warning(model, cache, damage):
+    entry = compile_model(model, "torch", "float32", 32, cache=cache).artifact
+    if damage == "truncate-weights":
+        w = entry / "weights.safetensors"
+        w.write_bytes(w.read_bytes()[:-64])
+    elif damage == "edit-code":
+        (entry / "model.py").write_text("raise SystemExit('tampered')\n")
+    else:
+        (entry / "manifest.json").unlink()
+    with pytest.warns(CacheWarning, match="damaged"):
+        again = compile_model(model, "torch", "float32", 32, cache=cache)
+    assert not again.hit and again.artifact == entry
+    assert compile_model(model, "torch", "float32", 32, cache=cache).hit
+    assert "tampered" not in (entry / "model.py").read_text()
+
+
+def test_interrupted_build_leaves_nothing(model, cache, monkeypatch):
+    backend = type(get_backend("torch"))
+    real = backend.compile
+
+    def interrupted(self, graph, ckpt, dtype, cache_len, out):
+        real(self, graph, ckpt, dtype, cache_len, out)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(backend, "compile", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        compile_model(model, "torch", "float32", 32, cache=cache)
+    assert list((cache.root / "artifacts").iterdir()) == []
+    assert list((cache.root / "tmp").iterdir()) == []
+
+
+def test_leftovers_of_a_killed_build_are_swept(model, cache):
+    stale = cache.root / "tmp" / "x-torch.999999.deadbeef"
+    stale.mkdir(parents=True)
+    compile_model(model, "torch", "float32", 32, cache=cache)
+    assert not stale.exists()
+
+
+def test_two_processes_compiling_one_key_both_succeed(model, tmp_path):
+    root = tmp_path / "shared-cache"
+    script = textwrap.dedent(f"""
+        import json, sys
+        from linnet_core.cache import ArtifactCache
+        from linnet_core.compile import compile_model
+        c = compile_model({str(model)!r}, "torch", "float32", 32, cache=ArtifactCache({str(root)!r}))
+        print(json.dumps({{"path": str(c.artifact), "hit": c.hit}}))
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), results
+    import json
+
+    outs = [json.loads(o.strip().splitlines()[-1]) for o, _ in results]
+    assert outs[0]["path"] == outs[1]["path"]
+    assert sorted(o["hit"] for o in outs) == [False, True]  # built once, found once
+    assert len(list((root / "artifacts").iterdir())) == 1
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_cache_is_a_clear_error(model, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    with pytest.raises(CacheError, match="not writable"):
+        compile_model(model, "torch", "float32", 32, cache=ArtifactCache(ro / "c"))
+
+
+def test_cache_under_a_file_is_a_clear_error(model, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(CacheError, match="not writable"):
+        compile_model(model, "torch", "float32", 32, cache=ArtifactCache(blocker / "c"))

@@ -1,0 +1,94 @@
+"""The IR: its verifier refuses broken graphs, passes keep meaning, emitters are golden."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+from conftest import FAMILY_CASES
+
+from linnet_core.backends.torch_emit import TEMPLATES, emit
+from linnet_core.errors import IRError
+from linnet_core.ir.graph import Node
+from linnet_core.ir.ops import OPS
+from linnet_core.ir.passes import fuse_parallel_linears, optimize
+from linnet_core.ir.verify import verify
+from linnet_core.models import build_graph, load_spec
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+@pytest.fixture(scope="module")
+def graph(checkpoints):
+    return build_graph(load_spec(checkpoints["qwen3-headdim128"]))
+
+
+def test_every_op_has_a_torch_template():
+    assert set(TEMPLATES) == set(OPS)
+
+
+def test_verifier_accepts_every_family(checkpoints):
+    for case, path in checkpoints.items():
+        verify(optimize(build_graph(load_spec(path))))
+
+
+def _broken(graph, mutate):
+    g = copy.deepcopy(graph)
+    mutate(g)
+    with pytest.raises(IRError) as e:
+        verify(g)
+    return str(e.value)
+
+
+def test_verifier_refuses_unknown_op(graph):
+    msg = _broken(graph, lambda g: g.block.nodes.insert(0, Node("softmax_fancy", ("x",), ("y",))))
+    assert "unknown op" in msg
+
+
+def test_verifier_refuses_use_before_definition(graph):
+    msg = _broken(graph, lambda g: g.block.nodes.reverse())
+    assert "before it is defined" in msg
+
+
+def test_verifier_refuses_a_shape_that_does_not_fit(graph):
+    def mutate(g):
+        p = g.block.params["attn_q.weight"]
+        g.block.params["attn_q.weight"] = type(p)(p.name, (p.shape[0], p.shape[1] + 1), p.parts)
+
+    assert "linear" in _broken(graph, mutate)
+
+
+def test_verifier_refuses_unused_weight_and_bad_layer_attrs(graph):
+    assert "never used" in _broken(graph, lambda g: g.params.update(extra=copy.copy(g.params["output_norm.weight"])))
+    assert "per-layer" in _broken(graph, lambda g: g.block.layer_attrs.update(window=(None,)))
+
+
+def test_emitter_fails_naming_a_missing_template(graph, monkeypatch):
+    monkeypatch.delitem(TEMPLATES, "rope")
+    with pytest.raises(IRError, match="no template for op 'rope'"):
+        emit(graph)
+
+
+def test_fusion_merges_qkv_and_gate_up(graph):
+    fused = fuse_parallel_linears(graph)
+    assert {"attn_qkv.weight", "ffn_gate_up.weight"} <= set(fused.block.params)
+    assert "attn_q.weight" not in fused.block.params
+    assert fused.block.params["attn_qkv.weight"].parts == (
+        "model.layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.k_proj.weight",
+        "model.layers.{i}.self_attn.v_proj.weight")
+    assert sum(n.op == "linear" for n in fused.block.nodes) == 4
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES)
+def test_emitted_torch_matches_golden(case, checkpoints):
+    """A refactor must not change emitted text; LINNET_UPDATE_GOLDEN=1 rewrites the copies."""
+    text = emit(optimize(build_graph(load_spec(checkpoints[case]))))
+    path = GOLDEN / f"torch-{case}.py.txt"
+    if os.environ.get("LINNET_UPDATE_GOLDEN"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert path.is_file(), f"no golden copy at {path}; run with LINNET_UPDATE_GOLDEN=1 once"
+    assert text == path.read_text()
+    compile(text, str(path), "exec")
