@@ -41,12 +41,36 @@ def materialize(p: Param, layer: int | None, ckpt: Checkpoint, dtype: torch.dtyp
     return t.to(dtype)
 
 
-def layout(graph: Graph, dtype: str) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(name, shape, dtype) of every prepared weight, in file order."""
-    return [(full, p.shape, TORCH_DTYPES[dtype]) for full, p, _ in graph.all_params()]
+def layout(graph: Graph, dtype: str) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], dict[str, str]]:
+    """(name, shape, dtype) of every distinct prepared weight in file order, and the aliases.
+
+    Params made from the same tensors (a tied output head) are stored once; `aliases` maps the
+    later names to the stored one.
+    """
+    stored: dict[tuple, str] = {}
+    entries, aliases = [], {}
+    for full, p, layer in graph.all_params():
+        source = (tuple(p.sources(layer)), p.shape)
+        if source in stored:
+            aliases[full] = stored[source]
+            continue
+        stored[source] = full
+        entries.append((full, p.shape, TORCH_DTYPES[dtype]))
+    return entries, aliases
 
 
 def produce(graph: Graph, ckpt: Checkpoint, dtype: str) -> Iterator[torch.Tensor]:
     """The prepared weights in `layout` order, one at a time."""
-    for _, p, layer in graph.all_params():
-        yield materialize(p, layer, ckpt, TORCH_DTYPES[dtype])
+    _, aliases = layout(graph, dtype)
+    for full, p, layer in graph.all_params():
+        if full not in aliases:
+            yield materialize(p, layer, ckpt, TORCH_DTYPES[dtype])
+
+
+def linear_weights(graph: Graph) -> dict[str, list[str]]:
+    """Names of the params that feed `linear` ops (global, and per-layer local names)."""
+    def feeding(nodes, params) -> list[str]:
+        return sorted({n.inputs[1] for n in nodes if n.op == "linear" and n.inputs[1] in params})
+
+    return {"global": feeding(graph.prologue + graph.epilogue, graph.params),
+            "block": feeding(graph.block.nodes, graph.block.params)}

@@ -132,8 +132,10 @@ class Checkpoint:
     def __init__(self, files: Iterable[Path]):
         self.files = [Path(f) for f in files]
         self.tensors: dict[str, TensorInfo] = {}
+        self.metadata: dict[str, str] = {}
         for f in self.files:
-            infos, _, _ = read_header(f)
+            infos, metadata, _ = read_header(f)
+            self.metadata.update(metadata)
             for name, info in infos.items():
                 if name in self.tensors:
                     raise CheckpointError(f"{f}: tensor '{name}' also appears in {self.tensors[name].file}")

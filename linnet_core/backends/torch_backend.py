@@ -23,6 +23,7 @@ from ..ir.passes import optimize
 from ..runtime.session import Session
 from ..weights import Checkpoint, read_header, write_safetensors
 from .base import Backend
+from .cpu_kernels import pack_linear_weights
 from .torch_emit import emit
 
 TORCH_DTYPES = prepared.TORCH_DTYPES
@@ -54,12 +55,22 @@ def import_generated(path: Path, name: str):
     return module
 
 
+ALIASES_KEY = "linnet.aliases"
+
+
+def write_prepared_weights(path: Path, graph: Graph, ckpt: Checkpoint, dtype: str) -> None:
+    entries, aliases = prepared.layout(graph, dtype)
+    write_safetensors(path, entries, prepared.produce(graph, ckpt, dtype), metadata={ALIASES_KEY: json.dumps(aliases)})
+
+
 def load_prepared_weights(path: Path, device: str) -> dict[str, Any]:
     """{"global": {...}, "layers": [{...}, ...]} from a prepared safetensors file (mapped, not read)."""
     ckpt = Checkpoint([path])
     flat = {name: ckpt.get(name) for name in ckpt.tensors}
     if device != "cpu":
         flat = {k: v.to(device) for k, v in flat.items()}
+    for alias, target in json.loads(ckpt.metadata.get(ALIASES_KEY, "{}")).items():
+        flat[alias] = flat[target]
     layers: dict[int, dict[str, torch.Tensor]] = {}
     glob: dict[str, torch.Tensor] = {}
     for name, t in flat.items():
@@ -99,8 +110,11 @@ class TorchBackend(Backend):
     name = "torch"
     title = "generated PyTorch"
 
+    # Bump when the artifact's files or their meaning change, so older cache entries miss.
+    artifact_format = "2"
+
     def toolchain(self) -> dict[str, str]:
-        return {"torch": torch.__version__}
+        return {"torch": torch.__version__, "format": self.artifact_format}
 
     def check_available(self, dtype: str) -> None:
         if dtype not in TORCH_DTYPES:
@@ -110,13 +124,15 @@ class TorchBackend(Backend):
         graph = optimize(graph)
         prepared.check_against(graph, ckpt)
         (out / "model.py").write_text(emit(graph))
-        write_safetensors(out / "weights.safetensors", prepared.layout(graph, dtype), prepared.produce(graph, ckpt, dtype))
-        write_artifact_info(out, graph, dtype, cache_len)
+        write_prepared_weights(out / "weights.safetensors", graph, ckpt, dtype)
+        write_artifact_info(out, graph, dtype, cache_len, linear_weights=prepared.linear_weights(graph))
 
-    def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
+    def load(self, artifact: Path, rows: int, device: str | None = None, pack_weights: bool = True) -> Session:
         device = device or default_device()
         info = json.loads((artifact / "artifact.json").read_text())
         read_header(artifact / "weights.safetensors")  # fail early on a damaged file
         module = import_generated(artifact / "model.py", f"linnet_generated_{abs(hash(str(artifact)))}")
         weights = load_prepared_weights(artifact / "weights.safetensors", device)
+        if device == "cpu" and pack_weights:
+            pack_linear_weights(weights, info["linear_weights"])
         return TorchSession(module, weights, info, rows, device, self.name)

@@ -27,6 +27,13 @@ def rope_table(pos, inv_freq, dtype):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def linear(x, weight, bias=None):
+    """x @ weight.T (+ bias). On CPU the runtime may pre-pack weights for oneDNN's kernel."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 def rms_norm(x, weight, eps):
     """x / rms(x) * weight over the last axis; the statistics in float32."""
     dtype = x.dtype
@@ -99,7 +106,7 @@ TEMPLATES: dict[str, Template] = {
     "rope_table": lambda n, c: f"{n.outputs[0]}, {n.outputs[1]} = rope_table({n.inputs[0]}, ROPE_INV_FREQ, dtype)",
     "embedding": lambda n, c: f"{n.outputs[0]} = F.embedding({c.ref(n.inputs[0])}, {c.ref(n.inputs[1])})",
     "rms_norm": lambda n, c: f"{n.outputs[0]} = rms_norm({c.ref(n.inputs[0])}, {c.ref(n.inputs[1])}, {n.attrs['eps']!r})",
-    "linear": lambda n, c: f"{n.outputs[0]} = F.linear({', '.join(c.ref(i) for i in n.inputs)})",
+    "linear": lambda n, c: f"{n.outputs[0]} = linear({', '.join(c.ref(i) for i in n.inputs)})",
     "split": lambda n, c: f"{', '.join(n.outputs)} = {c.ref(n.inputs[0])}.split({n.attrs['sizes']!r}, dim=-1)",
     "reshape": lambda n, c: f"{n.outputs[0]} = {c.ref(n.inputs[0])}.reshape({_dims(n.attrs['shape'])})",
     "rope": lambda n, c: f"{n.outputs[0]} = apply_rope({', '.join(c.ref(i) for i in n.inputs)})",

@@ -88,8 +88,10 @@ def build_decoder(spec: ModelSpec, names: dict[str, str]) -> Graph:
     last = b.op("last_token", [x], "x_last")
     normed = b.op("rms_norm", [last, b.param("output_norm.weight", (H,), names["output_norm.weight"])], "x_final",
                   eps=spec.rms_norm_eps)
-    head = table if spec.tie_word_embeddings else b.param("output.weight", (V, H), names["output.weight"])
-    logits = b.op("linear", [normed, head], "logits")
+    # A tied head is its own param over the same tensor: the artifact stores it once, and each
+    # use keeps its own layout (a gather table for the embedding, a packed matrix for the head).
+    head_source = names["token_embd.weight" if spec.tie_word_embeddings else "output.weight"]
+    logits = b.op("linear", [normed, b.param("output.weight", (V, H), head_source)], "logits")
     nxt = b.op("argmax", [logits], "next_token")
     return b.finish((nxt, logits), CacheLayout(L, kvh, hd))
 
