@@ -72,6 +72,9 @@ def handle_errors(fn: Callable) -> Callable:
                     raise
                 report_error(e.message, e.hint)
                 raise typer.Exit(e.exit_code) from None
+            except BrokenPipeError:  # `linnet run ... | head`: the reader left; not an error
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                raise typer.Exit(EXIT_OK) from None
             except KeyboardInterrupt:
                 report_error("interrupted")
                 raise typer.Exit(EXIT_INTERRUPTED) from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .backends import get_backend
 from .backends.base import DTYPES
@@ -71,8 +72,11 @@ def pick_cache_len(cache_len: int | None, spec: ModelSpec) -> int:
 
 def compile_model(model: str | Path | Model | None, backend: str = "torch", dtype: str = "auto",
                   cache_len: int | None = None, *, revision: str | None = None,
-                  cache: ArtifactCache | None = None) -> Compiled:
-    """Compile (or find in the cache) the artifact of `model` for `backend` and `dtype`."""
+                  cache: ArtifactCache | None = None, progress: Callable[[str], None] | None = None) -> Compiled:
+    """Compile (or find in the cache) the artifact of `model` for `backend` and `dtype`.
+
+    `progress` hears one line when a build starts (a cache hit says nothing).
+    """
     t0 = time.perf_counter()
     m = model if isinstance(model, Model) else open_model(model, revision)
     be = get_backend(backend)
@@ -89,6 +93,8 @@ def compile_model(model: str | Path | Model | None, backend: str = "torch", dtyp
     )
 
     def build(out: Path) -> None:
+        if progress:
+            progress(f"compiling {key.model} for {be.name} ({dt}, cache {n}); later runs load it from the cache")
         ckpt = Checkpoint(m.files)
         be.compile(build_graph(m.spec), ckpt, dt, n, out)
 
@@ -100,10 +106,11 @@ def compile_model(model: str | Path | Model | None, backend: str = "torch", dtyp
 
 def load_model(model: str | Path | Model | None, backend: str = "torch", dtype: str = "auto",
                cache_len: int | None = None, rows: int = 1, *, revision: str | None = None,
-               cache: ArtifactCache | None = None, device: str | None = None) -> tuple[Session, Compiled]:
+               cache: ArtifactCache | None = None, device: str | None = None,
+               progress: Callable[[str], None] | None = None) -> tuple[Session, Compiled]:
     """Compile if needed, then load a session with `rows` cache rows."""
     if rows < 1:
         raise InputError(f"rows must be at least 1, got {rows}")
-    compiled = compile_model(model, backend, dtype, cache_len, revision=revision, cache=cache)
+    compiled = compile_model(model, backend, dtype, cache_len, revision=revision, cache=cache, progress=progress)
     session = get_backend(compiled.backend).load(compiled.artifact, rows, device)
     return session, compiled

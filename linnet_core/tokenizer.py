@@ -7,6 +7,7 @@ model fall back to transformers' AutoTokenizer.
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -92,12 +93,15 @@ class Tokenizer:
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # The environment transformers renders chat templates in, so templates behave the same.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
 
         def raise_exception(message: str):
             raise InputError(f"the chat template refused the messages: {message}")
 
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
         try:
             text = env.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",

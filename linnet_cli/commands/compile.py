@@ -20,8 +20,7 @@ def compile_command(
 ) -> None:
     """Compile MODEL for a backend; prints the artifact path, whether it was cached, and the time."""
     sink = Sink(json, quiet)
-    sink.info(f"compiling {model} for {backend.value} ({dtype.value})...")
-    c = compile_model(model, backend.value, dtype.value, cache_len, revision=revision)
+    c = compile_model(model, backend.value, dtype.value, cache_len, revision=revision, progress=sink.info)
     state = "cache hit" if c.hit else "compiled"
     sink.data(
         f"{c.artifact}\n[dim]{state} · {c.backend} · {c.dtype} · cache {c.cache_len} · {c.seconds:.2f} s[/]",

@@ -43,7 +43,7 @@ def run_command(
     if not ids:
         raise InputError("the prompt encodes to no tokens")
     t0 = time.perf_counter()
-    session, compiled = load_model(m, backend.value, dtype.value, cache_len)
+    session, compiled = load_model(m, backend.value, dtype.value, cache_len, progress=sink.info)
     load_s = time.perf_counter() - t0
     gen = Generation(session, ids, max_new_tokens, Sampler(SamplingParams(temperature, top_p, top_k, seed)),
                      stop_ids=tok.eos_ids | set(m.spec.eos_token_ids))
