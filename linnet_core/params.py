@@ -19,20 +19,20 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 
 def check_against(graph: Graph, ckpt: Checkpoint) -> None:
-    """Every source tensor exists with the shape the graph needs (no data read)."""
-    for full, p, layer in graph.all_params():
-        rows = 0
-        for src in p.sources(layer):
-            info = ckpt.info(src)
-            expected_cols = p.shape[1:]
-            if tuple(info.shape[1:]) != tuple(expected_cols) or (len(p.parts) == 1 and tuple(info.shape) != p.shape):
+    """Every source tensor exists with the shape the graph needs (headers only, no data read)."""
+    for _, p, layer in graph.all_params():
+        infos = [ckpt.info(src) for src in p.sources(layer)]
+        rows = sum(i.shape[0] if i.shape else 0 for i in infos)
+        for info in infos:
+            if not info.shape or tuple(info.shape[1:]) != p.shape[1:] or (len(infos) == 1 and rows != p.shape[0]):
+                implied = list(p.shape) if len(infos) == 1 else ["*", *p.shape[1:]]
                 raise CheckpointError(
-                    f"{info.file.name}: tensor '{src}' has shape {list(info.shape)}, the config implies "
-                    f"{list(p.shape) if len(p.parts) == 1 else ['*', *expected_cols]}"
+                    f"{info.file.name}: tensor '{info.name}' has shape {list(info.shape)}, the config implies {implied}"
                 )
-            rows += info.shape[0] if info.shape else 1
         if rows != p.shape[0]:
-            raise CheckpointError(f"tensors {p.sources(layer)} have {rows} rows together, the config implies {p.shape[0]}")
+            names = ", ".join(f"'{i.name}'" for i in infos)
+            raise CheckpointError(f"{infos[0].file.name}: tensors {names} have {rows} rows together, "
+                                  f"the config implies {p.shape[0]}")
 
 
 def materialize(p: Param, layer: int | None, ckpt: Checkpoint, dtype: torch.dtype) -> torch.Tensor:
