@@ -7,12 +7,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from linnet_core.backends import BACKENDS
-from linnet_core.compile import DTYPE_CHOICES
-from linnet_core.hub import SHORT_NAMES
+from linnet_core.backends import BACKEND_NAMES, DTYPES
+from linnet_core.models.catalog import SHORT_NAMES
 
-BackendName = Enum("BackendName", {name: name for name in BACKENDS}, type=str)
-DtypeName = Enum("DtypeName", {name: name for name in DTYPE_CHOICES}, type=str)
+BackendName = Enum("BackendName", {name: name for name in BACKEND_NAMES}, type=str)
+DtypeName = Enum("DtypeName", {name: name for name in ("auto",) + DTYPES}, type=str)
 
 
 def _complete_model(incomplete: str) -> list[str]:

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .backends import get_backend
-from .backends.base import DTYPES
+from .backends import DTYPES, get_backend
 from .cache import ArtifactCache, ArtifactKey, model_identity
 from .errors import InputError
 from .hub import ResolvedModel, resolve

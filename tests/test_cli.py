@@ -146,3 +146,16 @@ def test_completions_and_man_page_are_current():
     from linnet_cli.docs import main
 
     assert main(["--check"]) == 0
+
+
+def test_short_name_from_a_local_hf_cache_offline(checkpoints, tmp_path):
+    """`linnet verify qwen3-4b` with the checkpoint in HF_HOME's cache layout and no network."""
+    from test_hub import place_in_hf_cache
+
+    place_in_hf_cache(tmp_path / "hf", "Qwen/Qwen3-4B", checkpoints["qwen3-headdim128"])
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    r = invoke("verify", "qwen3-4b", "--json", env=env)
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["passed"]
+    c = json.loads(invoke("compile", "qwen3-4b", "--dtype", "bfloat16", "--json", env=env).stdout)
+    assert c["model"] == "qwen3-4b" and c["model_type"] == "qwen3"

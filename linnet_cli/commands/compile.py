@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from linnet_core.compile import compile_model
-
 from ..options import BackendName, BackendOpt, CacheLenOpt, DtypeName, DtypeOpt, JsonOpt, ModelArg, QuietOpt, RevisionOpt
 from ..output import Sink, handle_errors
 
@@ -19,6 +17,9 @@ def compile_command(
     quiet: QuietOpt = False,
 ) -> None:
     """Compile MODEL for a backend; prints the artifact path, whether it was cached, and the time."""
+    # The core (and torch) load here, not at CLI start-up, so --help and completion stay fast.
+    from linnet_core.compile import compile_model
+
     sink = Sink(json, quiet)
     c = compile_model(model, backend.value, dtype.value, cache_len, revision=revision, progress=sink.info)
     state = "cache hit" if c.hit else "compiled"

@@ -8,12 +8,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from linnet_core.compile import load_model, open_model
-from linnet_core.errors import InputError
-from linnet_core.runtime.generate import Generation
-from linnet_core.runtime.sampling import Sampler, SamplingParams
-from linnet_core.tokenizer import IncrementalDecoder, Tokenizer
-
 from ..options import BackendName, BackendOpt, CacheLenOpt, DtypeName, DtypeOpt, JsonOpt, OptionalModelArg, QuietOpt, RevisionOpt
 from ..output import Sink, handle_errors
 
@@ -36,6 +30,13 @@ def run_command(
     quiet: QuietOpt = False,
 ) -> None:
     """Generate from MODEL (default: the embedded model), streaming text as it is chosen."""
+    # The core (and torch) load here, not at CLI start-up, so --help and completion stay fast.
+    from linnet_core.compile import load_model, open_model
+    from linnet_core.errors import InputError
+    from linnet_core.runtime.generate import Generation
+    from linnet_core.runtime.sampling import Sampler, SamplingParams
+    from linnet_core.tokenizer import IncrementalDecoder, Tokenizer
+
     sink = Sink(json, quiet)
     m = open_model(model, revision)
     tok = Tokenizer(m.path)

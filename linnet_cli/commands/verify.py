@@ -6,8 +6,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from linnet_core.verify import verify
-
 from ..options import BackendName, BackendOpt, CacheLenOpt, DtypeName, DtypeOpt, JsonOpt, ModelArg, QuietOpt, RevisionOpt
 from ..output import EXIT_FAILURE, Sink, handle_errors
 
@@ -25,6 +23,9 @@ def verify_command(
     quiet: QuietOpt = False,
 ) -> None:
     """Compare a backend with transformers (eager) on the same tokens; exit 1 past the tolerance."""
+    # The core (and torch) load here, not at CLI start-up, so --help and completion stay fast.
+    from linnet_core.verify import verify
+
     sink = Sink(json, quiet)
     sink.info(f"verifying {model} on {backend.value} ({dtype.value}) against transformers eager...")
     r = verify(model, backend.value, dtype.value, steps, prompt, cache_len, revision=revision)

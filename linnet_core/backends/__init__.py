@@ -1,19 +1,33 @@
-"""Backend registry: one module per backend, found by its --backend name."""
+"""Backend registry: one module per backend, found by its --backend name.
+
+Names are known without importing any backend, so the CLI starts without loading torch.
+"""
 
 from __future__ import annotations
 
-from ..errors import BackendUnavailable, InputError
-from .base import DTYPES, Backend
-from .torch_backend import TorchBackend
+import importlib
+from typing import TYPE_CHECKING
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (TorchBackend(),)}
+from ..errors import InputError
+
+if TYPE_CHECKING:
+    from .base import Backend
+
+DTYPES = ("float32", "float16", "bfloat16")
+REGISTRY: dict[str, str] = {
+    "torch": "linnet_core.backends.torch_backend:TorchBackend",
+}
+BACKEND_NAMES = tuple(REGISTRY)
+_loaded: dict[str, "Backend"] = {}
 
 
-def get_backend(name: str) -> Backend:
-    try:
-        return BACKENDS[name]
-    except KeyError:
-        raise InputError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)})") from None
+def get_backend(name: str) -> "Backend":
+    if name not in REGISTRY:
+        raise InputError(f"unknown backend '{name}' (available: {', '.join(REGISTRY)})")
+    if name not in _loaded:
+        module, cls = REGISTRY[name].split(":")
+        _loaded[name] = getattr(importlib.import_module(module), cls)()
+    return _loaded[name]
 
 
-__all__ = ["BACKENDS", "DTYPES", "Backend", "BackendUnavailable", "get_backend"]
+__all__ = ["BACKEND_NAMES", "DTYPES", "REGISTRY", "get_backend"]

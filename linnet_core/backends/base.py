@@ -8,8 +8,8 @@ from pathlib import Path
 from ..ir.graph import Graph
 from ..runtime.session import Session
 from ..weights import Checkpoint
+from . import DTYPES
 
-DTYPES = ("float32", "float16", "bfloat16")
 
 
 class Backend(ABC):
