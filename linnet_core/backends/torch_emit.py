@@ -7,8 +7,6 @@ deterministic, so golden copies of it catch refactors that change what is emitte
 
 from __future__ import annotations
 
-from typing import Callable
-
 from .. import __version__
 from ..errors import IRError
 from ..ir.graph import Graph, LayerAttr, Node
@@ -90,48 +88,52 @@ class _Ctx:
             return f'g["{name}"]'
         return name
 
-    def attr(self, v) -> str:
+    @staticmethod
+    def attr(v) -> str:
         if isinstance(v, LayerAttr):
             return f"{v.key.upper()}[i]"
+        if isinstance(v, list) and any(isinstance(d, str) for d in v):  # a shape with symbols B, T
+            return ", ".join(str(d) for d in v)
         return repr(v)
 
 
-def _dims(shape: list) -> str:
-    return ", ".join(str(d) for d in shape)
-
-
-Template = Callable[[Node, _Ctx], str]
-TEMPLATES: dict[str, Template] = {
-    "positions": lambda n, c: f"{n.outputs[0]} = {c.ref(n.inputs[0])}[:, None] + torch.arange(T, device=ids.device)",
-    "rope_table": lambda n, c: f"{n.outputs[0]}, {n.outputs[1]} = rope_table({n.inputs[0]}, ROPE_INV_FREQ, dtype)",
-    "embedding": lambda n, c: f"{n.outputs[0]} = F.embedding({c.ref(n.inputs[0])}, {c.ref(n.inputs[1])})",
-    "rms_norm": lambda n, c: f"{n.outputs[0]} = rms_norm({c.ref(n.inputs[0])}, {c.ref(n.inputs[1])}, {n.attrs['eps']!r})",
-    "linear": lambda n, c: f"{n.outputs[0]} = linear({', '.join(c.ref(i) for i in n.inputs)})",
-    "split": lambda n, c: f"{', '.join(n.outputs)} = {c.ref(n.inputs[0])}.split({n.attrs['sizes']!r}, dim=-1)",
-    "reshape": lambda n, c: f"{n.outputs[0]} = {c.ref(n.inputs[0])}.reshape({_dims(n.attrs['shape'])})",
-    "rope": lambda n, c: f"{n.outputs[0]} = apply_rope({', '.join(c.ref(i) for i in n.inputs)})",
-    "attention": lambda n, c: (
-        f"{n.outputs[0]} = attention({', '.join(c.ref(i) for i in n.inputs)}, kv_len, k_cache[i], v_cache[i], "
-        f"{c.attr(n.attrs['window'])}, {n.attrs['scale']!r})"
-    ),
-    "silu": lambda n, c: f"{n.outputs[0]} = F.silu({c.ref(n.inputs[0])})",
-    "gelu": lambda n, c: f"{n.outputs[0]} = F.gelu({c.ref(n.inputs[0])}, approximate={n.attrs['approximate']!r})",
-    "mul": lambda n, c: f"{n.outputs[0]} = {c.ref(n.inputs[0])} * {c.ref(n.inputs[1])}",
-    "add": lambda n, c: f"{n.outputs[0]} = {c.ref(n.inputs[0])} + {c.ref(n.inputs[1])}",
-    "last_token": lambda n, c: f"{n.outputs[0]} = {c.ref(n.inputs[0])} if all_logits else {c.ref(n.inputs[0])}[:, -1:]",
-    "argmax": lambda n, c: f"{n.outputs[0]} = {c.ref(n.inputs[0])}[:, -1].argmax(dim=-1)",
+# One template per op: {out} the outputs, {a} {b} the first inputs, {args} all inputs, and
+# {<attr>} each attribute (a per-layer one indexes its table with the loop's `i`).
+TEMPLATES: dict[str, str] = {
+    "positions": "{out} = {a}[:, None] + torch.arange(T, device=ids.device)",
+    "rope_table": "{out} = rope_table({a}, ROPE_INV_FREQ, dtype)",
+    "embedding": "{out} = F.embedding({a}, {b})",
+    "rms_norm": "{out} = rms_norm({a}, {b}, {eps})",
+    "linear": "{out} = linear({args})",
+    "split": "{out} = {a}.split({sizes}, dim=-1)",
+    "reshape": "{out} = {a}.reshape({shape})",
+    "rope": "{out} = apply_rope({args})",
+    "attention": "{out} = attention({args}, kv_len, k_cache[i], v_cache[i], {window}, {scale})",
+    "silu": "{out} = F.silu({a})",
+    "gelu": "{out} = F.gelu({a}, approximate={approximate})",
+    "mul": "{out} = {a} * {b}",
+    "add": "{out} = {a} + {b}",
+    "last_token": "{out} = {a} if all_logits else {a}[:, -1:]",
+    "argmax": "{out} = {a}[:, -1].argmax(dim=-1)",
 }
+
+
+def _render(n: Node, ctx: _Ctx) -> str:
+    template = TEMPLATES.get(n.op)
+    if template is None:
+        raise IRError(f"the torch emitter has no template for op '{n.op}'")
+    refs = [ctx.ref(i) for i in n.inputs]
+    return template.format(
+        out=", ".join(n.outputs), a=refs[0], b=refs[1] if len(refs) > 1 else "", args=", ".join(refs),
+        **{k: ctx.attr(v) for k, v in n.attrs.items()},
+    )
 
 
 def _lines(nodes: list[Node], g: Graph, ctx: _Ctx, indent: str) -> list[str]:
     out = []
     for n in nodes:
-        template = TEMPLATES.get(n.op)
-        if template is None:
-            raise IRError(f"the torch emitter has no template for op '{n.op}'")
-        line = indent + template(n, ctx)
         shapes = "; ".join(_shape(g.values[o].shape) for o in n.outputs)
-        out.append(f"{line}  # {shapes}")
+        out.append(f"{indent}{_render(n, ctx)}  # {shapes}")
     return out
 
 
