@@ -32,6 +32,16 @@ import torch
 HERE = Path(__file__).resolve().parent
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def make_checkpoint(folder: Path, args) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -149,6 +159,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
+    from linnet_core.backends import get_backend
     from linnet_core.compile import compile_model, load_model
 
     logging.set_verbosity_error()
@@ -161,26 +172,32 @@ def main() -> None:
     stream_bw = stream_read_bandwidth()
     gemv_bw, packed_bw = gemv_bandwidth(packed=False), gemv_bandwidth(packed=True)
     hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, attn_implementation="eager").eval()
-    session, _ = load_model(ckpt, "torch", "float32", args.cache_len)
+    session, compiled = load_model(ckpt, "torch", "float32", args.cache_len)
+    # The same artifact with F.linear instead of oneDNN's packed weights: what packing is worth.
+    plain = get_backend("torch").load(compiled.artifact, rows=1, pack_weights=False)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 32000, args.prompt).tolist()
     hf_decode(hf, prompt, 4)  # warm-up: first-call allocations on both sides
     linnet_decode(session, prompt, 4)
+    linnet_decode(plain, prompt, 4)
 
-    samples: dict[str, list[tuple[float, float]]] = {"transformers eager": [], "linnet torch": []}
+    samples: dict[str, list[tuple[float, float]]] = {"transformers eager": [], "linnet torch": [],
+                                                     "linnet torch, F.linear": []}
     for r in range(args.repeats):
         order = [("transformers eager", lambda: hf_decode(hf, prompt, args.new)),
-                 ("linnet torch", lambda: linnet_decode(session, prompt, args.new))]
+                 ("linnet torch", lambda: linnet_decode(session, prompt, args.new)),
+                 ("linnet torch, F.linear", lambda: linnet_decode(plain, prompt, args.new))]
         for name, fn in order if r % 2 == 0 else order[::-1]:
             samples[name].append(fn())
         print(f"run {r + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1][1]:.1f} tok/s" for k, v in samples.items()),
               file=sys.stderr)
-    del hf, session
+    del hf, session, plain
 
     loads = {"transformers eager": [], "linnet torch": []}
     for _ in range(3):
         loads["transformers eager"].append(load_time("transformers", ckpt, args.cache_len))
         loads["linnet torch"].append(load_time("linnet", ckpt, args.cache_len))
+    loads["linnet torch, F.linear"] = []  # the same load path, less the packing
 
     # Decode reads every weight once per token (the embedding table is gathered, not streamed),
     # and the KV cache up to the current position: at the mean position of the run.
@@ -193,7 +210,7 @@ def main() -> None:
         rows[name] = {
             "decode_tok_s": tok_s,
             "ttft_ms": statistics.median(v[0] for v in s) * 1000,
-            "load_s": statistics.median(loads[name]),
+            "load_s": statistics.median(loads[name]) if loads[name] else None,
             "bytes_per_token": bytes_per_token,
             "achieved_gb_s": tok_s * bytes_per_token / 1e9,
             "roofline": tok_s * bytes_per_token / (stream_bw * 1e9),
@@ -203,7 +220,7 @@ def main() -> None:
     ratio = rows["linnet torch"]["decode_tok_s"] / rows["transformers eager"]["decode_tok_s"]
     result = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "machine": {"cpu": cpu_name(), "threads": torch.get_num_threads(),
                     "torch": torch.__version__, "python": platform.python_version()},
         "model": {"hidden": args.hidden, "layers": args.layers, "intermediate": args.intermediate,
                   "weight_bytes": weight_bytes, "prompt": args.prompt, "new": args.new, "repeats": args.repeats},
@@ -220,9 +237,11 @@ def main() -> None:
     print("| side | decode tok/s | TTFT ms | load s (warm) | GB/s read | roofline |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, row in rows.items():
-        print(f"| {name} | {row['decode_tok_s']:.1f} | {row['ttft_ms']:.0f} | {row['load_s']:.2f} | "
+        load = "-" if row["load_s"] is None else f"{row['load_s']:.2f}"
+        print(f"| {name} | {row['decode_tok_s']:.1f} | {row['ttft_ms']:.0f} | {load} | "
               f"{row['achieved_gb_s']:.1f} | {row['roofline']:.0%} |")
-    print(f"\ndecode speed-up {ratio:.2f}x; load {result['load_speedup']:.1f}x faster "
+    print(f"\n{result['machine']['cpu']}, {result['machine']['threads']} threads, torch {torch.__version__}")
+    print(f"decode speed-up {ratio:.2f}x; load {result['load_speedup']:.1f}x faster "
           f"(median of {args.repeats} interleaved runs; load: median of 3 fresh processes)")
 
 

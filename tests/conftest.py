@@ -108,3 +108,15 @@ def session_cache(tmp_path_factory) -> Path:
 @pytest.fixture(autouse=True)
 def _isolated_cache(monkeypatch, session_cache):
     monkeypatch.setenv("LINNET_CACHE", str(session_cache))
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests run where CUDA is present and are skipped, with the reason shown, elsewhere."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is present here")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

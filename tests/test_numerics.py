@@ -106,3 +106,14 @@ def test_sampling_is_seeded_and_chosen_on_device(checkpoints):
     assert sample(1) != sample(2)
     greedy = list(Generation(session, PROMPT, 12))
     assert list(Generation(session, PROMPT, 12, Sampler(SamplingParams(temperature=1.0, top_k=1)))) == greedy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("case", ["llama-gqa-untied", "qwen3-headdim128", "phi3-fused-window"])
+def test_cuda_session_matches_transformers(case, dtype, checkpoints, references):
+    r = verify(checkpoints[case], "torch", dtype, steps=STEPS, reference=_reference(references, checkpoints, case),
+               device="cuda")
+    assert r.passed, r
+    if dtype == "float32":
+        assert r.tokens_match
