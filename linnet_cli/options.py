@@ -7,11 +7,23 @@ from typing import Annotated, Optional
 
 import typer
 
-from linnet_core.backends import BACKEND_NAMES, DTYPES
+from linnet_core.backends import BACKEND_NAMES
+from linnet_core.dtypes import ALIASES, DTYPES, normalize_dtype
 from linnet_core.models.catalog import SHORT_NAMES
 
 BackendName = Enum("BackendName", {name: name for name in BACKEND_NAMES}, type=str)
-DtypeName = Enum("DtypeName", {name: name for name in ("auto",) + DTYPES}, type=str)
+
+
+def _dtype(value: str) -> str:
+    """Accept every spelling (bf16, fp16, float32, ...), pass on the canonical name."""
+    canonical = "auto" if value == "auto" else normalize_dtype(value)
+    if canonical is None:
+        raise typer.BadParameter(f"'{value}' is not one of auto, {', '.join(ALIASES)}")
+    return canonical
+
+
+def _complete_dtype(incomplete: str) -> list[str]:
+    return [d for d in ("auto",) + DTYPES if d.startswith(incomplete)]
 
 
 def _complete_model(incomplete: str) -> list[str]:
@@ -27,7 +39,9 @@ OptionalModelArg = Annotated[
                                   autocompletion=_complete_model, show_default=False)
 ]
 BackendOpt = Annotated[BackendName, typer.Option("--backend", "-b", help="Backend to compile for.")]
-DtypeOpt = Annotated[DtypeName, typer.Option("--dtype", "-d", help="Compute dtype; auto = the checkpoint's.")]
+DtypeOpt = Annotated[str, typer.Option(
+    "--dtype", "-d", callback=_dtype, autocompletion=_complete_dtype, metavar="[auto|float32|float16|bfloat16]",
+    help="Compute dtype (bf16, fp16, f32 also accepted); auto = the checkpoint's.")]
 CacheLenOpt = Annotated[
     Optional[int], typer.Option("--cache-len", min=1, help="KV cache positions (default: min(2048, model max)).")
 ]

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .backends import DTYPES, get_backend
+from .backends import get_backend
+from .dtypes import DTYPES, normalize_dtype
 from .cache import ArtifactCache, ArtifactKey, model_identity
 from .errors import InputError
 from .hub import ResolvedModel, resolve
@@ -54,11 +55,13 @@ def open_model(model: str | Path | None, revision: str | None = None) -> Model:
 
 
 def pick_dtype(dtype: str, spec: ModelSpec) -> str:
+    """`auto` is the checkpoint's own dtype; other spellings (bf16, fp16, ...) are normalised."""
     if dtype == "auto":
-        return spec.dtype if spec.dtype in DTYPES else "float32"
-    if dtype not in DTYPES:
+        return spec.dtype
+    canonical = normalize_dtype(dtype)
+    if canonical is None:
         raise InputError(f"unknown dtype '{dtype}' (choose from: {', '.join(DTYPE_CHOICES)})")
-    return dtype
+    return canonical
 
 
 def pick_cache_len(cache_len: int | None, spec: ModelSpec) -> int:

@@ -37,7 +37,7 @@ def test_version():
 
 def test_compile_prints_path_hit_and_time(checkpoints):
     path = checkpoints["phi3-fused-window"]
-    first = invoke("compile", path, "--dtype", "bfloat16", "--cache-len", "40", "--json")
+    first = invoke("compile", path, "--dtype", "bf16", "--cache-len", "40", "--json")  # spellings people type
     assert first.exit_code == 0, first.stderr
     data = json.loads(first.stdout)
     assert os.path.isdir(data["artifact"]) and data["dtype"] == "bfloat16" and data["cache_len"] == 40

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..options import BackendName, BackendOpt, CacheLenOpt, DtypeName, DtypeOpt, JsonOpt, ModelArg, QuietOpt, RevisionOpt
+from ..options import BackendName, BackendOpt, CacheLenOpt, DtypeOpt, JsonOpt, ModelArg, QuietOpt, RevisionOpt
 from ..output import Sink, handle_errors
 
 
@@ -10,7 +10,7 @@ from ..output import Sink, handle_errors
 def compile_command(
     model: ModelArg,
     backend: BackendOpt = BackendName.torch,
-    dtype: DtypeOpt = DtypeName.auto,
+    dtype: DtypeOpt = "auto",
     cache_len: CacheLenOpt = None,
     revision: RevisionOpt = None,
     json: JsonOpt = False,
@@ -21,7 +21,7 @@ def compile_command(
     from linnet_core.compile import compile_model
 
     sink = Sink(json, quiet)
-    c = compile_model(model, backend.value, dtype.value, cache_len, revision=revision, progress=sink.info)
+    c = compile_model(model, backend.value, dtype, cache_len, revision=revision, progress=sink.info)
     state = "cache hit" if c.hit else "compiled"
     sink.data(
         f"{c.artifact}\n[dim]{state} · {c.backend} · {c.dtype} · cache {c.cache_len} · {c.seconds:.2f} s[/]",

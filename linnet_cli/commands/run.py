@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..options import BackendName, BackendOpt, CacheLenOpt, DtypeName, DtypeOpt, JsonOpt, OptionalModelArg, QuietOpt, RevisionOpt
+from ..options import BackendName, BackendOpt, CacheLenOpt, DtypeOpt, JsonOpt, OptionalModelArg, QuietOpt, RevisionOpt
 from ..output import Sink, handle_errors
 
 
@@ -23,7 +23,7 @@ def run_command(
     seed: Annotated[Optional[int], typer.Option(help="Seed for sampling, for repeatable output.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Apply the checkpoint's chat template.")] = False,
     backend: BackendOpt = BackendName.torch,
-    dtype: DtypeOpt = DtypeName.auto,
+    dtype: DtypeOpt = "auto",
     cache_len: CacheLenOpt = None,
     revision: RevisionOpt = None,
     json: JsonOpt = False,
@@ -44,7 +44,7 @@ def run_command(
     if not ids:
         raise InputError("the prompt encodes to no tokens")
     t0 = time.perf_counter()
-    session, compiled = load_model(m, backend.value, dtype.value, cache_len, progress=sink.info)
+    session, compiled = load_model(m, backend.value, dtype, cache_len, progress=sink.info)
     load_s = time.perf_counter() - t0
     gen = Generation(session, ids, max_new_tokens, Sampler(SamplingParams(temperature, top_p, top_k, seed)),
                      stop_ids=tok.eos_ids | set(m.spec.eos_token_ids))

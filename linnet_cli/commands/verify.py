@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..options import BackendName, BackendOpt, CacheLenOpt, DtypeName, DtypeOpt, JsonOpt, ModelArg, QuietOpt, RevisionOpt
+from ..options import BackendName, BackendOpt, CacheLenOpt, DtypeOpt, JsonOpt, ModelArg, QuietOpt, RevisionOpt
 from ..output import EXIT_FAILURE, Sink, handle_errors
 
 
@@ -14,7 +14,7 @@ from ..output import EXIT_FAILURE, Sink, handle_errors
 def verify_command(
     model: ModelArg,
     backend: BackendOpt = BackendName.torch,
-    dtype: DtypeOpt = DtypeName.float32,
+    dtype: DtypeOpt = "float32",
     steps: Annotated[int, typer.Option(min=1, help="Teacher-forced decode steps after the prefill.")] = 8,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text (default: a fixed one).")] = None,
     cache_len: CacheLenOpt = None,
@@ -27,8 +27,8 @@ def verify_command(
     from linnet_core.verify import verify
 
     sink = Sink(json, quiet)
-    sink.info(f"verifying {model} on {backend.value} ({dtype.value}) against transformers eager...")
-    r = verify(model, backend.value, dtype.value, steps, prompt, cache_len, revision=revision)
+    sink.info(f"verifying {model} on {backend.value} ({dtype}) against transformers eager...")
+    r = verify(model, backend.value, dtype, steps, prompt, cache_len, revision=revision)
     verdict = "[bold green]PASS[/]" if r.passed else "[bold red]FAIL[/]"
     sink.data(
         f"{verdict} {r.backend} {r.dtype}: distance from reference {r.distance:.3g} "

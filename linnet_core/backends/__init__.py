@@ -8,12 +8,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from ..dtypes import DTYPES
 from ..errors import InputError
 
 if TYPE_CHECKING:
     from .base import Backend
 
-DTYPES = ("float32", "float16", "bfloat16")
 REGISTRY: dict[str, str] = {
     "torch": "linnet_core.backends.torch_backend:TorchBackend",
 }

@@ -11,11 +11,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..dtypes import normalize_dtype
 from ..errors import UnsupportedModel
 
 ROPE_TYPES = ("default", "linear", "llama3")
-DTYPE_NAMES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "fp32": "float32",
-               "fp16": "float16", "bf16": "bfloat16", "half": "float16", "float": "float32"}
 
 
 @dataclass(frozen=True)
@@ -74,8 +73,7 @@ def require(cfg: dict, *keys: str) -> Any:
 
 
 def read_dtype(cfg: dict) -> str:
-    raw = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    return DTYPE_NAMES.get(str(raw).replace("torch.", ""), "float32")
+    return normalize_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32") or "float32"
 
 
 def read_rope(cfg: dict) -> RopeSpec:
