@@ -9,6 +9,7 @@ import typer
 from linnet_core import __version__
 
 from .commands.compile import compile_command
+from .commands.export import export_app
 from .commands.run import run_command
 from .commands.verify import verify_command
 
@@ -39,6 +40,7 @@ def _root(
 app.command("compile")(compile_command)
 app.command("run")(run_command)
 app.command("verify")(verify_command)
+app.add_typer(export_app, name="export")
 
 
 def main() -> None:

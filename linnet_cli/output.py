@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from linnet_core.errors import LinnetError
 
@@ -50,9 +51,9 @@ def _debug() -> bool:
 
 def report_error(message: str, hint: str | None = None) -> None:
     err = Console(file=sys.stderr, no_color=_no_color(), highlight=False, soft_wrap=True)
-    err.print(f"[bold red]error:[/] {message}", markup=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", markup=True)
     if hint:
-        err.print(f"[dim]hint:[/] {hint}", markup=True)
+        err.print(f"[dim]hint:[/] {escape(hint)}", markup=True)
 
 
 def handle_errors(fn: Callable) -> Callable:

@@ -10,7 +10,7 @@ from typing import Callable
 from .backends import get_backend
 from .dtypes import DTYPES, normalize_dtype
 from .cache import ArtifactCache, ArtifactKey, model_identity
-from .errors import InputError
+from .errors import BackendUnavailable, InputError
 from .hub import ResolvedModel, resolve
 from .models import build_graph, read_config, spec_from_config
 from .models.spec import ModelSpec
@@ -83,7 +83,16 @@ def compile_model(model: str | Path | Model | None, backend: str = "torch", dtyp
     m = model if isinstance(model, Model) else open_model(model, revision)
     be = get_backend(backend)
     dt = pick_dtype(dtype, m.spec)
-    be.check_available(dt)
+    try:
+        be.check_available(dt)
+    except BackendUnavailable as e:
+        if dtype != "auto" or dt == "float32":
+            raise
+        # `auto` asked for no dtype in particular: float32 runs where the checkpoint's does not.
+        if progress:
+            progress(f"{be.name} cannot run {dt} here; --dtype auto picks float32")
+        dt = "float32"
+        be.check_available(dt)
     n = pick_cache_len(cache_len, m.spec)
     key = ArtifactKey(
         model=m.resolved.repo_id or m.resolved.name,

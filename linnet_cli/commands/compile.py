@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
+
 from ..options import BackendName, BackendOpt, CacheLenOpt, DtypeOpt, JsonOpt, ModelArg, QuietOpt, RevisionOpt
 from ..output import Sink, handle_errors
 
@@ -24,7 +26,7 @@ def compile_command(
     c = compile_model(model, backend.value, dtype, cache_len, revision=revision, progress=sink.info)
     state = "cache hit" if c.hit else "compiled"
     sink.data(
-        f"{c.artifact}\n[dim]{state} · {c.backend} · {c.dtype} · cache {c.cache_len} · {c.seconds:.2f} s[/]",
+        f"{escape(str(c.artifact))}\n[dim]{state} · {c.backend} · {c.dtype} · cache {c.cache_len} · {c.seconds:.2f} s[/]",
         {"artifact": str(c.artifact), "hit": c.hit, "seconds": round(c.seconds, 4), "backend": c.backend,
          "dtype": c.dtype, "cache_len": c.cache_len, "model": c.model.resolved.name,
          "model_type": c.model.spec.model_type},

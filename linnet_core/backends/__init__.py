@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 REGISTRY: dict[str, str] = {
     "torch": "linnet_core.backends.torch_backend:TorchBackend",
+    "onnxruntime": "linnet_core.backends.ort_backend:OnnxRuntimeBackend",
+    "tensorrt": "linnet_core.backends.tensorrt_backend:TensorRTBackend",
 }
 BACKEND_NAMES = tuple(REGISTRY)
 _loaded: dict[str, "Backend"] = {}

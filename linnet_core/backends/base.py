@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Any
 
 from ..ir.graph import Graph
 from ..runtime.session import Session
@@ -31,3 +33,16 @@ class Backend(ABC):
     @abstractmethod
     def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
         """A ready session over a complete artifact folder."""
+
+
+def write_artifact_info(out: Path, graph: Graph, dtype: str, cache_len: int, **extra: Any) -> None:
+    info = {
+        "dtype": dtype,
+        "cache_len": cache_len,
+        "cache": vars(graph.cache),
+        "vocab_size": graph.meta["spec"]["vocab_size"],
+        "model_type": graph.meta["model_type"],
+        **extra,
+    }
+    (out / "artifact.json").write_text(json.dumps(info, indent=2))
+    (out / "graph.json").write_text(json.dumps(graph.to_json(), indent=1))

@@ -22,7 +22,7 @@ from ..ir.graph import Graph
 from ..ir.passes import optimize
 from ..runtime.session import Session
 from ..weights import Checkpoint, write_safetensors
-from .base import Backend
+from .base import Backend, write_artifact_info
 from .cpu_kernels import pack_linear_weights
 from .torch_emit import emit
 
@@ -31,19 +31,6 @@ TORCH_DTYPES = prepared.TORCH_DTYPES
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def write_artifact_info(out: Path, graph: Graph, dtype: str, cache_len: int, **extra: Any) -> None:
-    info = {
-        "dtype": dtype,
-        "cache_len": cache_len,
-        "cache": vars(graph.cache),
-        "vocab_size": graph.meta["spec"]["vocab_size"],
-        "model_type": graph.meta["model_type"],
-        **extra,
-    }
-    (out / "artifact.json").write_text(json.dumps(info, indent=2))
-    (out / "graph.json").write_text(json.dumps(graph.to_json(), indent=1))
 
 
 def import_generated(path: Path, name: str):

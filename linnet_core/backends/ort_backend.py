@@ -1,0 +1,172 @@
+"""Backend `onnxruntime`: the emitted ONNX graph on ONNX Runtime (CUDA provider on a GPU, else CPU).
+
+Every tensor a step touches lives in torch tensors on the session's device and is bound to ONNX
+Runtime by pointer (I/O binding): the KV cache outputs are bound to the input buffers, so the
+cache never moves or copies between steps, and only the next tokens come back to the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import BackendUnavailable
+from ..ir.graph import Graph
+from ..ir.passes import optimize
+from ..runtime.session import Session
+from ..weights import Checkpoint
+from .base import Backend, write_artifact_info
+from .onnx_emit import ONNX_DTYPES, emit_onnx, require_onnx
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ONNX_OF_TORCH = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16, torch.int64: 7}
+INSTALL_HINT = "pip install 'linnet[onnx]'"
+
+
+def import_ort():
+    try:
+        import onnxruntime
+    except ImportError:
+        raise BackendUnavailable("ONNX Runtime is not installed", hint=INSTALL_HINT) from None
+    return onnxruntime
+
+
+def _missing_kernel(error: Exception, provider: str, dtype: str) -> BackendUnavailable | None:
+    """ONNX Runtime's 'no implementation for OP' error, as one line that names op and dtype."""
+    m = re.search(r"implementation for (\w+)\((\d+)\)", str(error))
+    if not m:
+        return None
+    return BackendUnavailable(
+        f"ONNX Runtime's {provider} has no {dtype} kernel for {m.group(1)} (opset {m.group(2)}); "
+        f"Linnet does not run another dtype in its place",
+        hint="choose another --dtype (float32 runs everywhere), or run on a GPU",
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_dtype(providers: tuple[str, ...], dtype: str) -> str | None:
+    """Try a one-MatMul model in `dtype` on `providers`; the reason it fails, or None."""
+    import onnx
+    from onnx import helper
+
+    ort = import_ort()
+    elem = ONNX_DTYPES[dtype]
+    node = helper.make_node("MatMul", ["a", "b"], ["c"])
+    graph = helper.make_graph([node], "probe", [helper.make_tensor_value_info("a", elem, [2, 2]),
+                                                helper.make_tensor_value_info("b", elem, [2, 2])],
+                              [helper.make_tensor_value_info("c", elem, [2, 2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    model.ir_version = 10
+    try:
+        ort.InferenceSession(model.SerializeToString(), providers=list(providers))
+    except Exception as e:  # ONNX Runtime raises its own exception types
+        err = _missing_kernel(e, providers[0], dtype)
+        return err.message if err else str(e).splitlines()[0]
+    return None
+
+
+def _bind(binding, bind_fn, name: str, t: torch.Tensor) -> None:
+    dev = t.device
+    bind_fn(name, dev.type, dev.index or 0, ONNX_OF_TORCH[t.dtype], list(t.shape), t.data_ptr())
+
+
+class OrtSession(Session):
+    def __init__(self, sess, info: dict, rows: int, device: str, backend: str):
+        self.sess, self.backend, self.rows = sess, backend, rows
+        self.dtype, self.cache_len, self.vocab_size = info["dtype"], info["cache_len"], info["vocab_size"]
+        self.device = torch.device(device)
+        c = info["cache"]
+        shape = (rows, c["kv_heads"], self.cache_len, c["head_dim"])
+        tdt = TORCH_DTYPES[self.dtype]
+        # Zeroed, not empty: masked positions still pass through the value MatMul (0 x NaN = NaN).
+        self.caches = {f"{kind}_cache.{i}": torch.zeros(shape, dtype=tdt, device=self.device)
+                       for kind in ("k", "v") for i in range(c["layers"])}
+
+    def _run(self, ids: Sequence[Sequence[int]], start: Sequence[int], slots: Sequence[int], all_logits: bool):
+        B, T = len(ids), len(ids[0])
+        dev = self.device
+        feeds = {
+            "ids": torch.tensor(ids, dtype=torch.int64, device=dev),  # [B, T]
+            "start": torch.tensor(start, dtype=torch.int64, device=dev),  # [B]
+            "slots": torch.tensor(slots, dtype=torch.int64, device=dev),  # [B]
+            "kv_len": torch.tensor([max(s + T for s in start)], dtype=torch.int64, device=dev),
+            "logits_from": torch.tensor([0 if all_logits else T - 1], dtype=torch.int64, device=dev),
+        }
+        next_token = torch.empty(B, dtype=torch.int64, device=dev)  # [B]
+        logits = torch.empty(B, T if all_logits else 1, self.vocab_size, dtype=TORCH_DTYPES[self.dtype], device=dev)
+        io = self.sess.io_binding()
+        for name, t in feeds.items():
+            _bind(io, io.bind_input, name, t)
+        for name, t in self.caches.items():  # in place: the output is the input's buffer
+            _bind(io, io.bind_input, name, t)
+            _bind(io, io.bind_output, name.replace("_cache.", "_cache_out."), t)
+        _bind(io, io.bind_output, "next_token", next_token)
+        _bind(io, io.bind_output, "logits", logits)
+        self.sess.run_with_iobinding(io)
+        return next_token, logits
+
+    def _to_host(self, tensor: torch.Tensor) -> np.ndarray:
+        t = tensor.detach().to("cpu")
+        return t.float().numpy() if t.is_floating_point() else t.numpy()
+
+
+class OnnxRuntimeBackend(Backend):
+    name = "onnxruntime"
+    title = "ONNX Runtime"
+    artifact_format = "1"
+
+    def providers(self) -> list[str]:
+        ort = import_ort()
+        if torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers():
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        return ["CPUExecutionProvider"]
+
+    def provider_options(self, artifact: Path) -> list[dict[str, Any]]:
+        return [{} for _ in self.providers()]
+
+    def toolchain(self) -> dict[str, str]:
+        import onnx
+
+        return {"onnx": onnx.__version__, "onnxruntime": import_ort().__version__, "format": self.artifact_format}
+
+    def check_available(self, dtype: str) -> None:
+        require_onnx()
+        if dtype not in ONNX_DTYPES:
+            raise BackendUnavailable(f"the {self.name} backend has no dtype '{dtype}'")
+        reason = _probe_dtype(tuple(self.providers()), dtype)
+        if reason:
+            raise BackendUnavailable(reason, hint="choose another --dtype (float32 runs everywhere), or run on a GPU")
+
+    def compile(self, graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path) -> None:
+        graph = optimize(graph)
+        emit_onnx(graph, ckpt, dtype, cache_len, out)
+        write_artifact_info(out, graph, dtype, cache_len)
+
+    def session_options(self):
+        ort = import_ort()
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.intra_op_num_threads = torch.get_num_threads()
+        so.log_severity_level = 3  # errors only: its warnings are not the user's business
+        return so
+
+    def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
+        ort = import_ort()
+        info = json.loads((artifact / "artifact.json").read_text())
+        providers = self.providers()
+        try:
+            sess = ort.InferenceSession(str(artifact / "model.onnx"), self.session_options(), providers=providers,
+                                        provider_options=self.provider_options(artifact))
+        except Exception as e:
+            err = _missing_kernel(e, providers[0], info["dtype"])
+            if err:
+                raise err from None
+            raise BackendUnavailable(f"ONNX Runtime could not load {artifact.name}: {str(e).splitlines()[0]}") from None
+        dev = "cuda" if providers[0] != "CPUExecutionProvider" else "cpu"
+        return OrtSession(sess, info, rows, device or dev, self.name)
