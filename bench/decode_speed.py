@@ -1,4 +1,4 @@
-"""Decode speed and load time: Linnet's `torch` backend against `transformers` eager, side by side.
+"""Decode speed and load time: Linnet's backends against `transformers` eager, side by side.
 
     python bench/decode_speed.py                 # the issue's 191M Qwen3, 128-token prompt, 64 new
     python bench/decode_speed.py --layers 2 --repeats 2 --new 16   # a quick look
@@ -130,14 +130,14 @@ LOAD_SNIPPETS = {
     ),
     "linnet": (
         "import time; from linnet_core.compile import load_model; t=time.perf_counter();"
-        "s,c=load_model({path!r}, 'torch', 'float32', {cache_len}); assert c.hit, 'artifact was not cached';"
+        "s,c=load_model({path!r}, {backend!r}, 'float32', {cache_len}); assert c.hit, 'artifact was not cached';"
         "print(time.perf_counter()-t)"
     ),
 }
 
 
-def load_time(side: str, path: Path, cache_len: int) -> float:
-    code = LOAD_SNIPPETS[side].format(path=str(path), cache_len=cache_len)
+def load_time(side: str, path: Path, cache_len: int, backend: str = "") -> float:
+    code = LOAD_SNIPPETS[side].format(path=str(path), cache_len=cache_len, backend=backend)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
     return float(out.stdout.strip().splitlines()[-1])
@@ -152,6 +152,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cache-len", type=int, default=256)
+    ap.add_argument("--backends", default="torch,onnxruntime", help="Linnet backends to run, comma-separated")
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "linnet-bench")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "decode_speed.json")
     args = ap.parse_args()
@@ -161,43 +162,53 @@ def main() -> None:
 
     from linnet_core.backends import get_backend
     from linnet_core.compile import compile_model, load_model
+    from linnet_core.errors import LinnetError
 
     logging.set_verbosity_error()
     ckpt = make_checkpoint(args.workdir / f"qwen3-h{args.hidden}-l{args.layers}", args)
     weight_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
-    compiled = compile_model(ckpt, "torch", "float32", args.cache_len)
-    print(f"checkpoint {ckpt} ({weight_bytes / 1e6:.0f} MB); Linnet compile {compiled.seconds:.1f} s "
-          f"({'cached' if compiled.hit else 'cold'})", file=sys.stderr)
+    backends = [b for b in args.backends.split(",") if b]
+    missing = {}
+    for b in backends:
+        try:
+            c = compile_model(ckpt, b, "float32", args.cache_len)
+            print(f"Linnet {b}: compile {c.seconds:.1f} s ({'cached' if c.hit else 'cold'})", file=sys.stderr)
+        except LinnetError as e:
+            missing[b] = e.message
+    backends = [b for b in backends if b not in missing]
+    print(f"checkpoint {ckpt} ({weight_bytes / 1e6:.0f} MB)", file=sys.stderr)
 
     stream_bw = stream_read_bandwidth()
     gemv_bw, packed_bw = gemv_bandwidth(packed=False), gemv_bandwidth(packed=True)
     hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, attn_implementation="eager").eval()
-    session, compiled = load_model(ckpt, "torch", "float32", args.cache_len)
-    # The same artifact with F.linear instead of oneDNN's packed weights: what packing is worth.
-    plain = get_backend("torch").load(compiled.artifact, rows=1, pack_weights=False)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 32000, args.prompt).tolist()
-    hf_decode(hf, prompt, 4)  # warm-up: first-call allocations on both sides
-    linnet_decode(session, prompt, 4)
-    linnet_decode(plain, prompt, 4)
 
-    samples: dict[str, list[tuple[float, float]]] = {"transformers eager": [], "linnet torch": [],
-                                                     "linnet torch, F.linear": []}
+    runners = {"transformers eager": lambda: hf_decode(hf, prompt, args.new)}
+    sessions = {}
+    for b in backends:
+        sessions[f"linnet {b}"], compiled = load_model(ckpt, b, "float32", args.cache_len)
+        if b == "torch":  # the same artifact with F.linear instead of oneDNN's packed weights
+            sessions["linnet torch, F.linear"] = get_backend("torch").load(compiled.artifact, rows=1, pack_weights=False)
+    for name, session in sessions.items():
+        runners[name] = lambda session=session: linnet_decode(session, prompt, args.new)
+    for fn in runners.values():  # warm-up: first-call allocations on every side
+        fn()
+
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
     for r in range(args.repeats):
-        order = [("transformers eager", lambda: hf_decode(hf, prompt, args.new)),
-                 ("linnet torch", lambda: linnet_decode(session, prompt, args.new)),
-                 ("linnet torch, F.linear", lambda: linnet_decode(plain, prompt, args.new))]
+        order = list(runners.items())
         for name, fn in order if r % 2 == 0 else order[::-1]:
             samples[name].append(fn())
         print(f"run {r + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1][1]:.1f} tok/s" for k, v in samples.items()),
               file=sys.stderr)
-    del hf, session, plain
+    del hf, sessions, runners
 
-    loads = {"transformers eager": [], "linnet torch": []}
+    loads: dict[str, list[float]] = {name: [] for name in samples}
     for _ in range(3):
         loads["transformers eager"].append(load_time("transformers", ckpt, args.cache_len))
-        loads["linnet torch"].append(load_time("linnet", ckpt, args.cache_len))
-    loads["linnet torch, F.linear"] = []  # the same load path, less the packing
+        for b in backends:
+            loads[f"linnet {b}"].append(load_time("linnet", ckpt, args.cache_len, b))
 
     # Decode reads every weight once per token (the embedding table is gathered, not streamed),
     # and the KV cache up to the current position: at the mean position of the run.
@@ -217,7 +228,10 @@ def main() -> None:
             "samples_tok_s": [v[1] for v in s],
             "samples_load_s": loads[name],
         }
-    ratio = rows["linnet torch"]["decode_tok_s"] / rows["transformers eager"]["decode_tok_s"]
+    base = rows["transformers eager"]
+    for row in rows.values():
+        row["decode_speedup"] = row["decode_tok_s"] / base["decode_tok_s"]
+        row["load_speedup"] = base["load_s"] / row["load_s"] if row["load_s"] else None
     result = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {"cpu": cpu_name(), "threads": torch.get_num_threads(),
@@ -226,23 +240,23 @@ def main() -> None:
                   "weight_bytes": weight_bytes, "prompt": args.prompt, "new": args.new, "repeats": args.repeats},
         "bandwidth_gb_s": {"stream_read": stream_bw, "gemv_f_linear": gemv_bw, "gemv_onednn_packed": packed_bw},
         "rows": rows,
-        "decode_speedup": ratio,
-        "load_speedup": rows["transformers eager"]["load_s"] / rows["linnet torch"]["load_s"],
+        "missing": missing,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"\nmemory bandwidth: {stream_bw:.1f} GB/s streaming read (all threads); float32 GEMV reaches "
           f"{gemv_bw:.1f} GB/s with F.linear (MKL), {packed_bw:.1f} GB/s with oneDNN packed weights; "
           f"decode reads {bytes_per_token / 1e6:.0f} MB per token\n")
-    print("| side | decode tok/s | TTFT ms | load s (warm) | GB/s read | roofline |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| side | decode tok/s | vs transformers | TTFT ms | load s (warm) | GB/s read | roofline |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, row in rows.items():
         load = "-" if row["load_s"] is None else f"{row['load_s']:.2f}"
-        print(f"| {name} | {row['decode_tok_s']:.1f} | {row['ttft_ms']:.0f} | {load} | "
+        print(f"| {name} | {row['decode_tok_s']:.1f} | {row['decode_speedup']:.2f}x | {row['ttft_ms']:.0f} | {load} | "
               f"{row['achieved_gb_s']:.1f} | {row['roofline']:.0%} |")
-    print(f"\n{result['machine']['cpu']}, {result['machine']['threads']} threads, torch {torch.__version__}")
-    print(f"decode speed-up {ratio:.2f}x; load {result['load_speedup']:.1f}x faster "
-          f"(median of {args.repeats} interleaved runs; load: median of 3 fresh processes)")
+    for b, why in missing.items():
+        print(f"| linnet {b} | missing: {why} | | | | | |")
+    print(f"\n{result['machine']['cpu']}, {result['machine']['threads']} threads, torch {torch.__version__}; "
+          f"median of {args.repeats} interleaved runs; load: median of 3 fresh processes")
 
 
 if __name__ == "__main__":
