@@ -101,7 +101,6 @@ class _Lowering:
         self.layer: int | None = None
         self.scatter_idx: str | None = None
         self.masks: dict[object, str] = {}
-        self.cache_outputs: list[str] = []
 
     def name(self, ir_name: str) -> str:
         if self.layer is not None and ir_name in self.g.block.params:
@@ -201,7 +200,6 @@ def _attention(L: _Lowering, n: Node, x: list[str]) -> list[str]:
     attended = []
     for kind, new in (("k", k), ("v", v)):
         cache = b.op("ScatterND", [f"{kind}_cache.{i}", idx, new], f"{kind}_cache_out.{i}")
-        L.cache_outputs.append(cache)
         # Only the first kv_len positions, then only this step's rows: [B, KV, L, D]
         span = b.op("Slice", [cache, b.const([0]), "kv_len", b.const([2])])
         rows = b.op("Gather", [span, slots], axis=0)

@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from ..errors import BackendUnavailable
@@ -110,10 +109,6 @@ class OrtSession(Session):
         _bind(io, io.bind_output, "logits", logits)
         self.sess.run_with_iobinding(io)
         return next_token, logits
-
-    def _to_host(self, tensor: torch.Tensor) -> np.ndarray:
-        t = tensor.detach().to("cpu")
-        return t.float().numpy() if t.is_floating_point() else t.numpy()
 
 
 class OnnxRuntimeBackend(Backend):

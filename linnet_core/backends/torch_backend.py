@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from .. import params as prepared
@@ -87,10 +86,6 @@ class TorchSession(Session):
             start_t = torch.tensor(start, dtype=torch.int64, device=self.device)  # [B]
             slots_t = torch.tensor(slots, dtype=torch.int64, device=self.device)  # [B]
             return self.step_fn(self.weights, ids_t, start_t, slots_t, kv_len, self.k_cache, self.v_cache, all_logits)
-
-    def _to_host(self, tensor: torch.Tensor) -> np.ndarray:
-        t = tensor.detach().to("cpu")
-        return t.float().numpy() if t.is_floating_point() else t.numpy()
 
 
 class TorchBackend(Backend):

@@ -35,9 +35,10 @@ class Session(ABC):
              all_logits: bool) -> tuple[Any, Any]:
         """One step on the device: (greedy next tokens [B], logits [B, T', V]), both device tensors."""
 
-    @abstractmethod
     def _to_host(self, tensor: Any) -> np.ndarray:
-        """A device tensor as a float32 / int64 numpy array."""
+        """A device tensor as a float32 / int64 numpy array (sessions keep torch tensors)."""
+        t = tensor.detach().to("cpu")
+        return t.float().numpy() if t.is_floating_point() else t.numpy()
 
     def _check(self, length: int, start: int, slot: int) -> None:
         if not 0 <= slot < self.rows:
