@@ -7,6 +7,7 @@ touches a network.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import zlib
@@ -57,6 +58,9 @@ CASES = [
                                                                             partial_rotary_factor=0.5))),
 ]
 CASE_IDS = [c.id for c in CASES]
+# Backends every fixture is checked on here; the ONNX ones when their extra is installed.
+CPU_BACKENDS = ["torch"] + (["onnxruntime"] if importlib.util.find_spec("onnxruntime") else [])
+HALF_DTYPES = [("torch", "float16"), ("torch", "bfloat16")] + [("onnxruntime", "float16")] * ("onnxruntime" in CPU_BACKENDS)
 FAMILY_CASES = ["llama-gqa-untied", "mistral-window", "qwen2-bias-tied", "qwen3-headdim128", "phi3-fused-window"]
 
 
@@ -97,6 +101,21 @@ def make_checkpoint(case: Case, folder: Path) -> Path:
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("checkpoints")
     return {c.id: make_checkpoint(c, root / c.id) for c in CASES}
+
+
+@pytest.fixture(scope="session")
+def reference(checkpoints):
+    """reference(case): the transformers model of a fixture, loaded once per test run."""
+    from linnet_core.reference import load_reference
+
+    loaded = {}
+
+    def get(case: str):
+        if case not in loaded:
+            loaded[case] = load_reference(checkpoints[case])
+        return loaded[case]
+
+    return get
 
 
 @pytest.fixture(scope="session")

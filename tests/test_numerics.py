@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import CASE_IDS
+from conftest import CASE_IDS, CPU_BACKENDS, HALF_DTYPES
 
 from linnet_core.compile import load_model, open_model
 from linnet_core.reference import load_reference, run_reference
@@ -15,20 +15,10 @@ STEPS = 8
 PROMPT = [3, 17, 42, 7, 99, 120, 5, 64, 33, 150, 11, 2]  # 12 tokens: longer than the window-8 fixtures
 
 
-@pytest.fixture(scope="module")
-def references(checkpoints):
-    return {}
-
-
-def _reference(references, checkpoints, case):
-    if case not in references:
-        references[case] = load_reference(checkpoints[case])
-    return references[case]
-
-
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("case", CASE_IDS)
-def test_float32_matches_transformers(case, checkpoints, references):
-    r = verify(checkpoints[case], "torch", "float32", steps=STEPS, reference=_reference(references, checkpoints, case))
+def test_float32_matches_transformers(case, backend, checkpoints, reference):
+    r = verify(checkpoints[case], backend, "float32", steps=STEPS, reference=reference(case))
     assert r.prompt_tokens + r.steps >= 20
     assert r.distance <= 1e-4, r
     assert r.tokens_match, (r.reference_tokens, r.backend_tokens)
@@ -36,19 +26,20 @@ def test_float32_matches_transformers(case, checkpoints, references):
     assert r.passed
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("backend,dtype", HALF_DTYPES)
 @pytest.mark.parametrize("case", CASE_IDS)
-def test_half_dtypes_within_tolerance(case, dtype, checkpoints, references):
-    r = verify(checkpoints[case], "torch", dtype, steps=STEPS, reference=_reference(references, checkpoints, case))
+def test_half_dtypes_within_tolerance(case, backend, dtype, checkpoints, reference):
+    r = verify(checkpoints[case], backend, dtype, steps=STEPS, reference=reference(case))
     assert r.dtype == dtype
     assert 0 < r.distance <= r.tolerance, r
-    assert r.tolerance <= TOLERANCE[dtype] * max(1.0, 50.0)
+    assert r.tolerance <= TOLERANCE[dtype] * 50.0
     assert r.passed
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("case", ["llama-gqa-untied", "mistral-window", "qwen3-headdim128", "phi3-fused-window"])
-def test_rows_decoded_together_match_each_alone(case, checkpoints):
-    session, _ = load_model(checkpoints[case], "torch", "float32", 64, rows=3)
+def test_rows_decoded_together_match_each_alone(case, backend, checkpoints):
+    session, _ = load_model(checkpoints[case], backend, "float32", 64, rows=3)
     prompts = {0: PROMPT[:5], 2: PROMPT[3:12]}  # different lengths, so rows sit at different positions
 
     def alone(slot, prompt):
@@ -59,12 +50,9 @@ def test_rows_decoded_together_match_each_alone(case, checkpoints):
 
     expected = {slot: alone(slot, p) for slot, p in prompts.items()}
     together = {slot: [session.prefill(p, slot=slot).tokens[0]] for slot, p in prompts.items()}
-    logits_b = []
     for k in range(STEPS):
         slots = list(prompts)
-        out = session.decode([together[s][-1] for s in slots], [len(prompts[s]) + k for s in slots], slots,
-                             logits=True)
-        logits_b.append(out.logits)
+        out = session.decode([together[s][-1] for s in slots], [len(prompts[s]) + k for s in slots], slots)
         for s, t in zip(slots, out.tokens):
             together[s].append(t)
     assert together == expected
@@ -111,8 +99,8 @@ def test_sampling_is_seeded_and_chosen_on_device(checkpoints):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("case", ["llama-gqa-untied", "qwen3-headdim128", "phi3-fused-window"])
-def test_cuda_session_matches_transformers(case, dtype, checkpoints, references):
-    r = verify(checkpoints[case], "torch", dtype, steps=STEPS, reference=_reference(references, checkpoints, case),
+def test_cuda_session_matches_transformers(case, dtype, checkpoints, reference):
+    r = verify(checkpoints[case], "torch", dtype, steps=STEPS, reference=reference(case),
                device="cuda")
     assert r.passed, r
     if dtype == "float32":
