@@ -29,6 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llamacpp  # noqa: E402  (the comparator beside this script)
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -122,7 +125,12 @@ def linnet_decode(session, prompt: list[int], new: int) -> tuple[float, float]:
     return gen.stats.ttft_s, gen.stats.decode_tok_s
 
 
+LLAMACPP = "llama.cpp f32 (GGUF of the same weights)"
 LOAD_SNIPPETS = {
+    "llama.cpp": (
+        "import sys, time; sys.path.insert(0, {here!r}); import llamacpp; t=time.perf_counter();"
+        "llm=llamacpp.load({path!r}, {cache_len}); print(time.perf_counter()-t)"
+    ),
     "transformers": (
         "import time, torch; from transformers import AutoModelForCausalLM; t=time.perf_counter();"
         "m=AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32, attn_implementation='eager');"
@@ -137,7 +145,7 @@ LOAD_SNIPPETS = {
 
 
 def load_time(side: str, path: Path, cache_len: int, backend: str = "") -> float:
-    code = LOAD_SNIPPETS[side].format(path=str(path), cache_len=cache_len, backend=backend)
+    code = LOAD_SNIPPETS[side].format(path=str(path), cache_len=cache_len, backend=backend, here=str(HERE))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
     return float(out.stdout.strip().splitlines()[-1])
@@ -153,6 +161,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cache-len", type=int, default=256)
     ap.add_argument("--backends", default="torch,onnxruntime", help="Linnet backends to run, comma-separated")
+    ap.add_argument("--no-llamacpp", dest="llamacpp", action="store_false", help="skip the llama.cpp comparator")
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "linnet-bench")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "decode_speed.json")
     args = ap.parse_args()
@@ -174,7 +183,7 @@ def main() -> None:
             c = compile_model(ckpt, b, "float32", args.cache_len)
             print(f"Linnet {b}: compile {c.seconds:.1f} s ({'cached' if c.hit else 'cold'})", file=sys.stderr)
         except LinnetError as e:
-            missing[b] = e.message
+            missing[f"linnet {b}"] = e.message
     backends = [b for b in backends if b not in missing]
     print(f"checkpoint {ckpt} ({weight_bytes / 1e6:.0f} MB)", file=sys.stderr)
 
@@ -184,6 +193,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 32000, args.prompt).tolist()
 
+    with torch.inference_mode():  # the reference's logits after the prompt, for each side's distance
+        ref_logits = hf(torch.tensor([prompt])).logits[0, -1].float().numpy()
+    distance = {"transformers eager": 0.0}
     runners = {"transformers eager": lambda: hf_decode(hf, prompt, args.new)}
     sessions = {}
     for b in backends:
@@ -192,6 +204,17 @@ def main() -> None:
             sessions["linnet torch, F.linear"] = get_backend("torch").load(compiled.artifact, rows=1, pack_weights=False)
     for name, session in sessions.items():
         runners[name] = lambda session=session: linnet_decode(session, prompt, args.new)
+        distance[name] = float(np.abs(session.prefill(prompt, logits="last").logits[0, -1] - ref_logits).max())
+    gguf_path = None
+    if args.llamacpp:
+        why = llamacpp.available()
+        if why:
+            missing["llama.cpp"] = why
+        else:
+            gguf_path = llamacpp.write_gguf(ckpt, ckpt.parent / f"{ckpt.name}.f32.gguf")
+            llm = llamacpp.load(gguf_path, args.cache_len)
+            runners[LLAMACPP] = lambda: llamacpp.decode(llm, prompt, args.new)
+            distance[LLAMACPP] = float(np.abs(llamacpp.last_logits(gguf_path, args.cache_len, prompt) - ref_logits).max())
     for fn in runners.values():  # warm-up: first-call allocations on every side
         fn()
 
@@ -203,12 +226,15 @@ def main() -> None:
         print(f"run {r + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1][1]:.1f} tok/s" for k, v in samples.items()),
               file=sys.stderr)
     del hf, sessions, runners
+    llm = None
 
     loads: dict[str, list[float]] = {name: [] for name in samples}
     for _ in range(3):
         loads["transformers eager"].append(load_time("transformers", ckpt, args.cache_len))
         for b in backends:
             loads[f"linnet {b}"].append(load_time("linnet", ckpt, args.cache_len, b))
+        if gguf_path:
+            loads[LLAMACPP].append(load_time("llama.cpp", gguf_path, args.cache_len))
 
     # Decode reads every weight once per token (the embedding table is gathered, not streamed),
     # and the KV cache up to the current position: at the mean position of the run.
@@ -225,6 +251,7 @@ def main() -> None:
             "bytes_per_token": bytes_per_token,
             "achieved_gb_s": tok_s * bytes_per_token / 1e9,
             "roofline": tok_s * bytes_per_token / (stream_bw * 1e9),
+            "distance_from_reference": distance[name],
             "samples_tok_s": [v[1] for v in s],
             "samples_load_s": loads[name],
         }
@@ -247,14 +274,14 @@ def main() -> None:
     print(f"\nmemory bandwidth: {stream_bw:.1f} GB/s streaming read (all threads); float32 GEMV reaches "
           f"{gemv_bw:.1f} GB/s with F.linear (MKL), {packed_bw:.1f} GB/s with oneDNN packed weights; "
           f"decode reads {bytes_per_token / 1e6:.0f} MB per token\n")
-    print("| side | decode tok/s | vs transformers | TTFT ms | load s (warm) | GB/s read | roofline |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| side | decode tok/s | vs transformers | TTFT ms | load s (warm) | GB/s read | roofline | distance |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, row in rows.items():
         load = "-" if row["load_s"] is None else f"{row['load_s']:.2f}"
         print(f"| {name} | {row['decode_tok_s']:.1f} | {row['decode_speedup']:.2f}x | {row['ttft_ms']:.0f} | {load} | "
-              f"{row['achieved_gb_s']:.1f} | {row['roofline']:.0%} |")
+              f"{row['achieved_gb_s']:.1f} | {row['roofline']:.0%} | {row['distance_from_reference']:.1e} |")
     for b, why in missing.items():
-        print(f"| linnet {b} | missing: {why} | | | | | |")
+        print(f"| {b} | missing: {why} | | | | | | |")
     print(f"\n{result['machine']['cpu']}, {result['machine']['threads']} threads, torch {torch.__version__}; "
           f"median of {args.repeats} interleaved runs; load: median of 3 fresh processes")
 
