@@ -67,7 +67,7 @@ def test_verifier_refuses_unused_weight_and_bad_layer_attrs(graph):
 
 def test_emitter_fails_naming_a_missing_template(graph, monkeypatch):
     monkeypatch.delitem(TEMPLATES, "rope")
-    with pytest.raises(IRError, match="no template for op 'rope'"):
+    with pytest.raises(IRError, match="torch emitter has no template for op 'rope'"):
         emit(graph)
 
 

@@ -18,6 +18,7 @@ REGISTRY: dict[str, str] = {
     "torch": "linnet_core.backends.torch_backend:TorchBackend",
     "onnxruntime": "linnet_core.backends.ort_backend:OnnxRuntimeBackend",
     "tensorrt": "linnet_core.backends.tensorrt_backend:TensorRTBackend",
+    "jax": "linnet_core.backends.jax_backend:JaxBackend",
 }
 BACKEND_NAMES = tuple(REGISTRY)
 _loaded: dict[str, "Backend"] = {}

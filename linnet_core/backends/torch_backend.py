@@ -85,7 +85,9 @@ class TorchSession(Session):
             ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [B, T]
             start_t = torch.tensor(start, dtype=torch.int64, device=self.device)  # [B]
             slots_t = torch.tensor(slots, dtype=torch.int64, device=self.device)  # [B]
-            return self.step_fn(self.weights, ids_t, start_t, slots_t, kv_len, self.k_cache, self.v_cache, all_logits)
+            last = torch.full((len(ids),), len(ids[0]) - 1, dtype=torch.int64, device=self.device)  # [B]
+            return self.step_fn(self.weights, ids_t, start_t, slots_t, last, kv_len, self.k_cache, self.v_cache,
+                                all_logits)
 
 
 class TorchBackend(Backend):
@@ -93,7 +95,7 @@ class TorchBackend(Backend):
     title = "generated PyTorch"
 
     # Bump when the artifact's files or their meaning change, so older cache entries miss.
-    artifact_format = "2"
+    artifact_format = "3"
 
     def toolchain(self) -> dict[str, str]:
         return {"torch": torch.__version__, "format": self.artifact_format}

@@ -1,0 +1,157 @@
+"""Backend `jax` ("XLA (generated JAX)"): the emitted JAX module under `jax.jit`.
+
+Static shapes: a prompt is padded to a power-of-two bucket and a decode batch to a power-of-two
+number of rows (padding rows point past the cache, so their writes are dropped), giving one
+compiled executable per bucket. The KV cache is donated to every step and comes back updated in
+place. JAX's persistent compilation cache lives in the artifact (`xla_cache/`), filled for the
+first buckets at compile time, so a warm load does not compile them again.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import BackendUnavailable
+from ..ir.graph import Graph
+from ..ir.passes import optimize
+from ..runtime.sampling import Sampler
+from ..runtime.session import Session
+from ..weights import Checkpoint
+from .base import Backend, write_artifact_info
+from .torch_backend import import_generated, load_prepared_weights, write_prepared_weights
+
+INSTALL_HINT = "pip install 'linnet[jax]'"
+MIN_PROMPT_BUCKET = 16
+
+
+def import_jax():
+    try:
+        import jax
+    except ImportError:
+        raise BackendUnavailable("JAX is not installed", hint=INSTALL_HINT) from None
+    return jax
+
+
+def use_compilation_cache(folder: Path) -> None:
+    """Point JAX's persistent compilation cache at `folder` (it is process-wide in JAX)."""
+    jax = import_jax()
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if jax.config.jax_compilation_cache_dir != str(folder):
+        compilation_cache.reset_cache()
+        jax.config.update("jax_compilation_cache_dir", str(folder))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def bucket(n: int, lowest: int, highest: int) -> int:
+    """The power of two at or above n (at least `lowest`), capped at `highest` when n fits under it."""
+    size = max(lowest, 1 << (n - 1).bit_length())
+    return max(n, min(size, highest))
+
+
+def to_jax(t: torch.Tensor):
+    """A host tensor as a device array; bfloat16 goes through its bits (numpy has no bfloat16)."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    if t.dtype == torch.bfloat16:
+        return jnp.asarray(t.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+    return jnp.asarray(t.numpy())
+
+
+class XlaSession(Session):
+    """Shared by the XLA backends: buckets, padding, the donated cache; `fn` is one compiled step."""
+
+    def __init__(self, info: dict, rows: int, backend: str):
+        import jax.numpy as jnp
+        import ml_dtypes
+
+        self.backend, self.rows = backend, rows
+        self.dtype, self.cache_len, self.vocab_size = info["dtype"], info["cache_len"], info["vocab_size"]
+        c = info["cache"]
+        np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[self.dtype]
+        shape = (c["layers"], rows, c["kv_heads"], self.cache_len, c["head_dim"])
+        self.k_cache = jnp.zeros(shape, dtype=np_dtype)
+        self.v_cache = jnp.zeros(shape, dtype=np_dtype)
+
+    def step(self, ids, start, slots, last, all_logits: bool):
+        """Run one padded step; returns (next_token, logits) device arrays, caches updated."""
+        raise NotImplementedError
+
+    def _run(self, ids: Sequence[Sequence[int]], start: Sequence[int], slots: Sequence[int], all_logits: bool):
+        B, T = len(ids), len(ids[0])
+        Bp = bucket(B, 1, self.rows)
+        Tp = T if T == 1 else bucket(T, MIN_PROMPT_BUCKET, self.cache_len)
+        ids_p = np.zeros((Bp, Tp), dtype=np.int32)  # [Bp, Tp]
+        ids_p[:B, :T] = ids
+        start_p = np.zeros(Bp, dtype=np.int32)
+        start_p[:B] = start
+        slots_p = np.full(Bp, self.rows, dtype=np.int32)  # padding rows point past the cache
+        slots_p[:B] = slots
+        last = np.full(Bp, T - 1, dtype=np.int32)
+        next_token, logits = self.step(ids_p, start_p, slots_p, last, all_logits)
+        return next_token[:B], (logits[:B, :T] if all_logits else logits[:B])
+
+    def _to_host(self, array: Any) -> np.ndarray:
+        a = np.asarray(array)
+        return a if a.dtype.kind in "iu" else a.astype(np.float32)  # float16 and bfloat16 too
+
+    def _sample(self, logits: Any, row: int, sampler: Sampler) -> int:
+        return sampler.pick(torch.from_numpy(np.asarray(logits[row, -1], dtype=np.float32)))
+
+
+class JaxSession(XlaSession):
+    def __init__(self, module, weights: dict, info: dict, rows: int, backend: str):
+        import jax
+
+        super().__init__(info, rows, backend)
+        self.weights = weights
+        self._step = jax.jit(module.step, static_argnames=("all_logits",), donate_argnums=(1, 2))
+
+    def step(self, ids, start, slots, last, all_logits: bool):
+        next_token, logits, self.k_cache, self.v_cache = self._step(
+            self.weights, self.k_cache, self.v_cache, ids, start, slots, last, all_logits=all_logits)
+        return next_token, logits
+
+
+class JaxBackend(Backend):
+    name = "jax"
+    title = "XLA (generated JAX)"
+    artifact_format = "1"
+
+    def toolchain(self) -> dict[str, str]:
+        jax = import_jax()
+        return {"jax": jax.__version__, "platform": jax.default_backend(), "format": self.artifact_format}
+
+    def check_available(self, dtype: str) -> None:
+        import_jax()
+
+    def compile(self, graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path) -> None:
+        from .jax_emit import emit
+
+        graph = optimize(graph)
+        (out / "model_jax.py").write_text(emit(graph))
+        write_prepared_weights(out / "weights.safetensors", graph, ckpt, dtype)
+        write_artifact_info(out, graph, dtype, cache_len)
+        warm_up(self.load(out, rows=1))
+
+    def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
+        use_compilation_cache(artifact / "xla_cache")
+        info = json.loads((artifact / "artifact.json").read_text())
+        module = import_generated(artifact / "model_jax.py", f"linnet_jax_{abs(hash(str(artifact)))}")
+        host = load_prepared_weights(artifact / "weights.safetensors", "cpu")
+        weights = {"global": {k: to_jax(v) for k, v in host["global"].items()},
+                   "layers": [{k: to_jax(v) for k, v in layer.items()} for layer in host["layers"]]}
+        return JaxSession(module, weights, info, rows, self.name)
+
+
+def warm_up(session: Session) -> None:
+    """Compile the smallest prompt bucket and the one-row decode into the persistent cache."""
+    session.prefill([0])
+    session.decode([0], [1], [0])

@@ -1,0 +1,120 @@
+"""Emitter: Linnet IR -> a readable JAX module ("generated JAX"), a pure function for `jax.jit`.
+
+`step` takes the weights, the whole KV cache and the step's tokens and returns the next tokens,
+the logits and the updated cache; the runtime jits it with static shapes (prompts padded to
+buckets, `last` says which position is real) and donates the cache, so XLA updates it in place.
+"""
+
+from __future__ import annotations
+
+from ..ir.graph import Graph
+from .pyemit import Dialect, emit_module
+
+PRELUDE = '''
+import jax
+import jax.numpy as jnp
+
+
+def rope_table(pos, inv_freq, dtype):
+    """cos, sin [B, T, rot] for positions [B, T]; computed in float32 like transformers."""
+    freqs = pos[..., None].astype(jnp.float32) * inv_freq  # [B, T, rot/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, rot]
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def linear(x, weight, bias=None):
+    """x @ weight.T (+ bias); XLA reads the [out, in] weight as it lies."""
+    y = jnp.einsum("...i,oi->...o", x, weight)
+    return y if bias is None else y + bias
+
+
+def split(x, sizes):
+    """Split the last axis into parts of the given sizes."""
+    return jnp.split(x, [sum(sizes[:k]) for k in range(1, len(sizes))], axis=-1)
+
+
+def rms_norm(x, weight, eps):
+    """x / rms(x) * weight over the last axis; the statistics in float32."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate-half rope on the first rot features of each head; x [B, T, heads, D]."""
+    rot = cos.shape[-1]
+    cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, rot]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+    out = x_rot * cos + rotated * sin
+    return out if x_pass.shape[-1] == 0 else jnp.concatenate([out, x_pass], axis=-1)
+
+
+def attention(q, k, v, pos, slots, k_cache, v_cache, layer, window, scale):
+    """Write k, v at `pos` of rows `slots` of layer `layer`, then attend causally over the cache.
+
+    q [B, T, H, D]; k, v [B, T, KV, D]; caches [L, rows, KV, S, D] (returned updated);
+    positions past the cache and rows past `rows` (padding) are dropped, never written.
+    """
+    rows = jnp.broadcast_to(slots[:, None], pos.shape)  # [B, T]
+    k_cache = k_cache.at[layer, rows, :, pos].set(k, mode="drop")  # the target is [B, T, KV, D]
+    v_cache = v_cache.at[layer, rows, :, pos].set(v, mode="drop")
+    keys = k_cache[layer].at[slots].get(mode="clip")  # [B, KV, S, D]
+    values = v_cache[layer].at[slots].get(mode="clip")
+    B, T, H, D = q.shape
+    KV = k.shape[2]
+    key_pos = jnp.arange(keys.shape[2])  # [S]
+    mask = key_pos <= pos[..., None]  # [B, T, S]: causal, and hides stale cache entries
+    if window is not None:
+        mask = mask & (key_pos > pos[..., None] - window)
+    qg = q.reshape(B, T, KV, H // KV, D)  # query heads grouped by their KV head
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, keys).astype(jnp.float32) * scale  # [B, KV, G, T, S]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # in float32, as the reference does
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, values)  # [B, T, KV, G, D]
+    return out.reshape(B, T, H, D), k_cache, v_cache
+'''
+
+TEMPLATES: dict[str, str] = {
+    "positions": "{out} = {a}[:, None] + jnp.arange(T)",
+    "rope_table": "{out} = rope_table({a}, ROPE_INV_FREQ, dtype)",
+    "embedding": "{out} = {b}[{a}]",
+    "rms_norm": "{out} = rms_norm({a}, {b}, {eps})",
+    "linear": "{out} = linear({args})",
+    "split": "{out} = split({a}, {sizes})",
+    "reshape": "{out} = {a}.reshape({shape})",
+    "rope": "{out} = apply_rope({args})",
+    "attention": "{out}, k_cache, v_cache = attention({args}, k_cache, v_cache, i, {window}, {scale})",
+    "silu": "{out} = jax.nn.silu({a})",
+    "gelu": "{out} = jax.nn.gelu({a}, approximate=({approximate} == 'tanh'))",
+    "mul": "{out} = {a} * {b}",
+    "add": "{out} = {a} + {b}",
+    "last_token": "{out} = {a} if all_logits else jnp.take_along_axis({a}, last[:, None, None], axis=1)",
+    "argmax": "{out} = jnp.argmax({a}[jnp.arange(B), last if all_logits else 0], axis=-1)",
+}
+
+JAX = Dialect(
+    name="JAX",
+    prelude=PRELUDE,
+    templates=TEMPLATES,
+    array="jnp.array",
+    float32="jnp.float32",
+    contract=(
+        "step(weights, k_cache, v_cache, ids, start, slots, last, all_logits=False)",
+        "    -> (next_token, logits, k_cache, v_cache)",
+        "  ids [B, T] int32; start [B] first position of the step per row; slots [B] cache rows;",
+        "  last [B] the position in T whose logits are wanted (prompts are padded to buckets);",
+        "  k_cache, v_cache [{layers}, rows, {kv_heads}, cache_len, {head_dim}], returned updated.",
+        "A pure function: jit it with all_logits static and the caches donated.",
+    ),
+    signature="def step(weights, k_cache, v_cache, ids, start, slots, last, all_logits: bool = False):",
+    setup=('g, layers = weights["global"], weights["layers"]', "B, T = ids.shape", "dtype = k_cache.dtype"),
+    loop="for i, w in enumerate(layers):",
+    returns="return {outputs}, k_cache, v_cache",
+)
+
+
+def emit(g: Graph) -> str:
+    """The generated JAX module for graph `g`."""
+    return emit_module(g, JAX)
