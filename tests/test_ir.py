@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import FAMILY_CASES
 
+from linnet_core.backends.jax_emit import TEMPLATES as JAX_TEMPLATES
+from linnet_core.backends.jax_emit import emit as emit_jax
 from linnet_core.backends.torch_emit import TEMPLATES, emit
 from linnet_core.errors import IRError
 from linnet_core.ir.graph import Node
@@ -25,8 +27,8 @@ def graph(checkpoints):
     return build_graph(load_spec(checkpoints["qwen3-headdim128"]))
 
 
-def test_every_op_has_a_torch_template():
-    assert set(TEMPLATES) == set(OPS)
+def test_every_op_has_a_template_in_each_python_dialect():
+    assert set(TEMPLATES) == set(OPS) == set(JAX_TEMPLATES)
 
 
 def test_verifier_accepts_every_family(checkpoints):
@@ -81,11 +83,15 @@ def test_fusion_merges_qkv_and_gate_up(graph):
     assert sum(n.op == "linear" for n in fused.block.nodes) == 4
 
 
+EMITTERS = {"torch": emit, "jax": emit_jax}
+
+
+@pytest.mark.parametrize("emitter", EMITTERS)
 @pytest.mark.parametrize("case", FAMILY_CASES)
-def test_emitted_torch_matches_golden(case, checkpoints):
+def test_emitted_python_matches_golden(case, emitter, checkpoints):
     """A refactor must not change emitted text; LINNET_UPDATE_GOLDEN=1 rewrites the copies."""
-    text = emit(optimize(build_graph(load_spec(checkpoints[case]))))
-    path = GOLDEN / f"torch-{case}.py.txt"
+    text = EMITTERS[emitter](optimize(build_graph(load_spec(checkpoints[case]))))
+    path = GOLDEN / f"{emitter}-{case}.py.txt"
     if os.environ.get("LINNET_UPDATE_GOLDEN"):
         path.parent.mkdir(exist_ok=True)
         path.write_text(text)

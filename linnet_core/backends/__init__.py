@@ -19,6 +19,8 @@ REGISTRY: dict[str, str] = {
     "onnxruntime": "linnet_core.backends.ort_backend:OnnxRuntimeBackend",
     "tensorrt": "linnet_core.backends.tensorrt_backend:TensorRTBackend",
     "jax": "linnet_core.backends.jax_backend:JaxBackend",
+    "inductor": "linnet_core.backends.inductor_backend:InductorBackend",
+    "cudagraphs": "linnet_core.backends.inductor_backend:CudaGraphsBackend",
 }
 BACKEND_NAMES = tuple(REGISTRY)
 _loaded: dict[str, "Backend"] = {}

@@ -47,6 +47,11 @@ def use_compilation_cache(folder: Path) -> None:
         jax.config.update("jax_compilation_cache_dir", str(folder))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        # The cache key must not depend on where the artifact lies (it is built in a temporary
+        # folder, then renamed) nor on who called: no cache paths in the compile options, no
+        # caller's stack in the module's locations.
+        jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
+        jax.config.update("jax_include_full_tracebacks_in_locations", False)
 
 
 def bucket(n: int, lowest: int, highest: int) -> int:
@@ -144,7 +149,7 @@ class JaxBackend(Backend):
     def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
         use_compilation_cache(artifact / "xla_cache")
         info = json.loads((artifact / "artifact.json").read_text())
-        module = import_generated(artifact / "model_jax.py", f"linnet_jax_{abs(hash(str(artifact)))}")
+        module = import_generated(artifact / "model_jax.py", "linnet_jax")
         host = load_prepared_weights(artifact / "weights.safetensors", "cpu")
         weights = {"global": {k: to_jax(v) for k, v in host["global"].items()},
                    "layers": [{k: to_jax(v) for k, v in layer.items()} for layer in host["layers"]]}
@@ -153,5 +158,5 @@ class JaxBackend(Backend):
 
 def warm_up(session: Session) -> None:
     """Compile the smallest prompt bucket and the one-row decode into the persistent cache."""
-    session.prefill([0])
-    session.decode([0], [1], [0])
+    session.prefill([0, 0])  # two tokens: one would take the decode shape
+    session.decode([0], [2], [0])

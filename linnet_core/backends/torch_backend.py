@@ -7,9 +7,11 @@ disk without copying them when they are already in the right dtype and device.
 
 from __future__ import annotations
 
-import importlib.util
+import hashlib
+import linecache
 import json
 import sys
+import types
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -32,12 +34,22 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def import_generated(path: Path, name: str):
-    """Import a generated module from the artifact folder under a unique name."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
+def import_generated(path: Path, prefix: str):
+    """Import a generated module, named after its content.
+
+    Name and code filename are the same in every process and folder, since compilers key their
+    on-disk caches on them; the modules are stateless, so artifacts with one code share one.
+    """
+    source = path.read_bytes()
+    name = f"{prefix}_{hashlib.sha256(source).hexdigest()[:16]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    module = types.ModuleType(name)
+    module.__file__ = f"<linnet-generated>/{name}.py"
+    code = compile(source, module.__file__, "exec")
+    linecache.cache[module.__file__] = (len(source), None, source.decode().splitlines(True), module.__file__)
+    sys.modules[name] = module  # compilers (dynamo) look functions' globals up by module name
+    exec(code, module.__dict__)
     return module
 
 
@@ -114,7 +126,7 @@ class TorchBackend(Backend):
     def load(self, artifact: Path, rows: int, device: str | None = None, pack_weights: bool = True) -> Session:
         device = device or default_device()
         info = json.loads((artifact / "artifact.json").read_text())
-        module = import_generated(artifact / "model.py", f"linnet_generated_{abs(hash(str(artifact)))}")
+        module = import_generated(artifact / "model.py", "linnet_generated")
         weights = load_prepared_weights(artifact / "weights.safetensors", device)
         if device == "cpu" and pack_weights:
             pack_linear_weights(weights, info["linear_weights"])
