@@ -19,6 +19,7 @@ REGISTRY: dict[str, str] = {
     "onnxruntime": "linnet_core.backends.ort_backend:OnnxRuntimeBackend",
     "tensorrt": "linnet_core.backends.tensorrt_backend:TensorRTBackend",
     "jax": "linnet_core.backends.jax_backend:JaxBackend",
+    "stablehlo": "linnet_core.backends.stablehlo_backend:StablehloBackend",
     "inductor": "linnet_core.backends.inductor_backend:InductorBackend",
     "cudagraphs": "linnet_core.backends.inductor_backend:CudaGraphsBackend",
 }

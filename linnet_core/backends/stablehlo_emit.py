@@ -1,0 +1,436 @@
+"""Emitter: Linnet IR -> StableHLO text, directly (not by lowering the generated JAX).
+
+One module per static shape: B rows of T tokens (prompts padded to buckets, `last` names the
+real last position) and whether all positions' logits are returned. `@main` takes every weight,
+the whole KV cache `[L, rows, KV, S, D]` (donated: `tf.aliasing_output`, so XLA updates it in
+place), ids, start, slots and last; it returns the next tokens, the logits and the cache.
+Every op is printed in MLIR's generic form, which every StableHLO release parses the same way.
+Each IR op lowers through one function in LOWERINGS; a missing one fails at emit, naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import IRError
+from ..ir.graph import Graph, LayerAttr, Node
+from ..ir.rope import inv_freq
+from ..ir.verify import verify
+
+ELEM = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+NEG_INF_F32 = "0xFF800000"
+
+
+@dataclass(frozen=True)
+class V:
+    """An SSA value: its name, static shape and element type."""
+
+    name: str
+    shape: tuple[int, ...]
+    et: str
+
+    @property
+    def ty(self) -> str:
+        return tensor_type(self.shape, self.et)
+
+
+def tensor_type(shape, et: str) -> str:
+    return "tensor<" + "".join(f"{d}x" for d in shape) + et + ">"
+
+
+def _ints(values) -> str:
+    return "array<i64" + (": " + ", ".join(str(int(v)) for v in values) if len(values) else "") + ">"
+
+
+def _float(v: float) -> str:
+    return f"{float(v):.9e}"
+
+
+class Module:
+    """Prints StableHLO ops (generic form) with fresh SSA names."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self._n = 0
+
+    def _fresh(self) -> str:
+        self._n += 1
+        return f"%v{self._n}"
+
+    def op(self, name: str, args: list[V], shape, et: str, attrs: str = "", region: str = "") -> V:
+        out = V(self._fresh(), tuple(shape), et)
+        arg_names = ", ".join(a.name for a in args)
+        arg_types = ", ".join(a.ty for a in args)
+        attrs = f" {{{attrs}}}" if attrs else ""
+        region = f" ({region})" if region else ""
+        self.lines.append(f'    {out.name} = "stablehlo.{name}"({arg_names}){region}{attrs} : ({arg_types}) -> {out.ty}')
+        return out
+
+    # -- elementwise -------------------------------------------------------------------------
+    def binary(self, name: str, a: V, b: V) -> V:
+        return self.op(name, [a, b], a.shape, a.et)
+
+    def unary(self, name: str, a: V) -> V:
+        return self.op(name, [a], a.shape, a.et)
+
+    def convert(self, a: V, et: str) -> V:
+        return a if a.et == et else self.op("convert", [a], a.shape, et)
+
+    def compare(self, a: V, b: V, direction: str) -> V:
+        return self.op("compare", [a, b], a.shape, "i1", f"comparison_direction = #stablehlo<comparison_direction {direction}>")
+
+    def select(self, pred: V, a: V, b: V) -> V:
+        return self.op("select", [pred, a, b], a.shape, a.et)
+
+    # -- constants and shapes ----------------------------------------------------------------
+    def const(self, value, et: str, shape=()) -> V:
+        """A scalar broadcast to `shape` (float constants are made in f32, then converted)."""
+        make_et = "f32" if et in ("f16", "bf16") else et
+        if isinstance(value, str):
+            literal = value
+        elif make_et.startswith("f"):
+            literal = _float(value)
+        else:
+            literal = str(int(value))
+        out = V(self._fresh(), (), make_et)
+        self.lines.append(f'    {out.name} = "stablehlo.constant"() {{value = dense<{literal}> : {out.ty}}} : () -> {out.ty}')
+        out = self.convert(out, et)
+        return self.broadcast(out, shape, []) if shape else out
+
+    def array(self, values: list[float], et: str = "f32") -> V:
+        out = V(self._fresh(), (len(values),), et)
+        literal = "[" + ", ".join(_float(v) for v in values) + "]"
+        self.lines.append(f'    {out.name} = "stablehlo.constant"() {{value = dense<{literal}> : {out.ty}}} : () -> {out.ty}')
+        return out
+
+    def broadcast(self, a: V, shape, dims) -> V:
+        return self.op("broadcast_in_dim", [a], shape, a.et, f"broadcast_dimensions = {_ints(dims)}")
+
+    def reshape(self, a: V, shape) -> V:
+        return a if tuple(shape) == a.shape else self.op("reshape", [a], shape, a.et)
+
+    def transpose(self, a: V, perm) -> V:
+        return self.op("transpose", [a], [a.shape[p] for p in perm], a.et, f"permutation = {_ints(perm)}")
+
+    def slice_last(self, a: V, lo: int, hi: int) -> V:
+        start = [0] * (len(a.shape) - 1) + [lo]
+        limit = list(a.shape[:-1]) + [hi]
+        return self.op("slice", [a], a.shape[:-1] + (hi - lo,), a.et,
+                       f"start_indices = {_ints(start)}, limit_indices = {_ints(limit)}, "
+                       f"strides = {_ints([1] * len(a.shape))}")
+
+    def concat(self, parts: list[V], dim: int) -> V:
+        shape = list(parts[0].shape)
+        shape[dim] = sum(p.shape[dim] for p in parts)
+        return self.op("concatenate", parts, shape, parts[0].et, f"dimension = {dim} : i64")
+
+    def iota(self, shape, dim: int, et: str = "i32") -> V:
+        out = V(self._fresh(), tuple(shape), et)
+        self.lines.append(f'    {out.name} = "stablehlo.iota"() {{iota_dimension = {dim} : i64}} : () -> {out.ty}')
+        return out
+
+    def dot(self, a: V, b: V, batch: tuple[list, list], contract: tuple[list, list], shape, et: str | None = None) -> V:
+        dn = (f"#stablehlo.dot<lhs_batching_dimensions = [{', '.join(map(str, batch[0]))}], "
+              f"rhs_batching_dimensions = [{', '.join(map(str, batch[1]))}], "
+              f"lhs_contracting_dimensions = [{', '.join(map(str, contract[0]))}], "
+              f"rhs_contracting_dimensions = [{', '.join(map(str, contract[1]))}]>")
+        return self.op("dot_general", [a, b], shape, et or a.et, f"dot_dimension_numbers = {dn}")
+
+    def reduce(self, a: V, dims: list[int], kind: str) -> V:
+        """Sum ("add") or maximum ("maximum") over `dims`."""
+        init = self.const(0.0 if kind == "add" else NEG_INF_F32, a.et) if a.et.startswith("f") else self.const(0, a.et)
+        s = tensor_type((), a.et)
+        region = (f'{{\n    ^bb0(%acc: {s}, %x: {s}):\n      %r = "stablehlo.{kind}"(%acc, %x) : ({s}, {s}) -> {s}\n'
+                  f'      "stablehlo.return"(%r) : ({s}) -> ()\n    }}')
+        shape = [d for i, d in enumerate(a.shape) if i not in dims]
+        return self.op("reduce", [a, init], shape, a.et, f"dimensions = {_ints(dims)}", region)
+
+    def argmax_last(self, a: V) -> V:
+        """Index of the largest value over the last axis (the first of equals), as i32."""
+        axis = len(a.shape) - 1
+        idx = self.iota(a.shape, axis)
+        f, i = tensor_type((), a.et), tensor_type((), "i32")
+        ninf, zero = self.const(NEG_INF_F32, "f32"), self.const(0, "i32")
+        ninf = self.convert(ninf, a.et)
+        region = (
+            f"{{\n    ^bb0(%a: {f}, %ai: {i}, %b: {f}, %bi: {i}):\n"
+            f'      %gt = "stablehlo.compare"(%a, %b) {{comparison_direction = #stablehlo<comparison_direction GT>}} : ({f}, {f}) -> tensor<i1>\n'
+            f'      %eq = "stablehlo.compare"(%a, %b) {{comparison_direction = #stablehlo<comparison_direction EQ>}} : ({f}, {f}) -> tensor<i1>\n'
+            f'      %lt = "stablehlo.compare"(%ai, %bi) {{comparison_direction = #stablehlo<comparison_direction LT>}} : ({i}, {i}) -> tensor<i1>\n'
+            f'      %tie = "stablehlo.and"(%eq, %lt) : (tensor<i1>, tensor<i1>) -> tensor<i1>\n'
+            f'      %keep = "stablehlo.or"(%gt, %tie) : (tensor<i1>, tensor<i1>) -> tensor<i1>\n'
+            f'      %v = "stablehlo.select"(%keep, %a, %b) : (tensor<i1>, {f}, {f}) -> {f}\n'
+            f'      %k = "stablehlo.select"(%keep, %ai, %bi) : (tensor<i1>, {i}, {i}) -> {i}\n'
+            f'      "stablehlo.return"(%v, %k) : ({f}, {i}) -> ()\n    }}'
+        )
+        name = self._fresh()
+        shape = a.shape[:-1]
+        vt, it = tensor_type(shape, a.et), tensor_type(shape, "i32")
+        self.lines.append(
+            f'    {name}:2 = "stablehlo.reduce"({a.name}, {idx.name}, {ninf.name}, {zero.name}) ({region}) '
+            f"{{dimensions = {_ints([axis])}}} : ({a.ty}, {idx.ty}, {ninf.ty}, {zero.ty}) -> ({vt}, {it})"
+        )
+        return V(f"{name}#1", shape, "i32")
+
+    def gather_rows(self, table: V, indices: V, index_dims: list[int]) -> V:
+        """table[indices[..., 0], indices[..., 1], ...] over the leading `index_dims` of table.
+
+        indices [..., len(index_dims)] i32; out-of-range indices are clamped (XLA's rule).
+        """
+        batch = indices.shape[:-1]
+        rest = [d for i, d in enumerate(table.shape) if i not in index_dims]
+        offset_dims = list(range(len(batch), len(batch) + len(rest)))
+        sizes = [1 if i in index_dims else d for i, d in enumerate(table.shape)]
+        dn = (f"#stablehlo.gather<offset_dims = [{', '.join(map(str, offset_dims))}], "
+              f"collapsed_slice_dims = [{', '.join(map(str, index_dims))}], "
+              f"start_index_map = [{', '.join(map(str, index_dims))}], index_vector_dim = {len(batch)}>")
+        return self.op("gather", [table, indices], list(batch) + rest, table.et,
+                       f"dimension_numbers = {dn}, slice_sizes = {_ints(sizes)}, indices_are_sorted = false")
+
+    def scatter_set(self, operand: V, indices: V, updates: V, index_dims: list[int]) -> V:
+        """operand with updates written at indices (over `index_dims`); out-of-range ones skipped."""
+        s = tensor_type((), operand.et)
+        region = (f'{{\n    ^bb0(%old: {s}, %new: {s}):\n      "stablehlo.return"(%new) : ({s}) -> ()\n    }}')
+        n_batch = len(indices.shape) - 1
+        window = list(range(n_batch, len(updates.shape)))
+        dn = (f"#stablehlo.scatter<update_window_dims = [{', '.join(map(str, window))}], "
+              f"inserted_window_dims = [{', '.join(map(str, index_dims))}], "
+              f"scatter_dims_to_operand_dims = [{', '.join(map(str, index_dims))}], index_vector_dim = {n_batch}>")
+        return self.op("scatter", [operand, indices, updates], operand.shape, operand.et,
+                       f"scatter_dimension_numbers = {dn}, indices_are_sorted = false, unique_indices = false", region)
+
+
+class _Lowering:
+    def __init__(self, g: Graph, m: Module, act: str, B: int, T: int, all_logits: bool):
+        self.g, self.m, self.act, self.B, self.T, self.all_logits = g, m, act, B, T, all_logits
+        self.env: dict[str, V] = {}
+        self.layer: int | None = None
+        self.k_cache: V | None = None
+        self.v_cache: V | None = None
+        self.last: V | None = None
+
+    def value(self, name: str) -> V:
+        if self.layer is not None and name in self.g.block.params:
+            return self.env[self.g.block_param_name(name, self.layer)]
+        return self.env[name]
+
+    def attr(self, n: Node, key: str):
+        v = n.attrs[key]
+        return self.g.block.layer_attrs[v.key][self.layer] if isinstance(v, LayerAttr) else v
+
+    def shape(self, ir_name: str) -> tuple[int, ...]:
+        sub = {"B": self.B, "T": self.T, "T'": self.T if self.all_logits else 1}
+        return tuple(sub.get(d, d) for d in self.g.values[ir_name].shape)
+
+
+Lowering = Callable[[_Lowering, Node, list[V]], list[V]]
+
+
+def _positions(L: _Lowering, n: Node, x: list[V]) -> list[V]:
+    m = L.m
+    steps = m.iota((L.B, L.T), 1)
+    return [m.binary("add", steps, m.broadcast(x[0], (L.B, L.T), [0]))]
+
+
+def _rope_table(L: _Lowering, n: Node, x: list[V]) -> list[V]:
+    m = L.m
+    freqs = m.array(inv_freq(n.attrs["rope"], n.attrs["rotary_dim"]))
+    half = freqs.shape[0]
+    shape = (L.B, L.T, half)
+    angles = m.binary("multiply", m.broadcast(m.convert(x[0], "f32"), shape, [0, 1]), m.broadcast(freqs, shape, [2]))
+    emb = m.concat([angles, angles], 2)  # [B, T, rot]
+    return [m.convert(m.unary("cosine", emb), L.act), m.convert(m.unary("sine", emb), L.act)]
+
+
+def _embedding(L: _Lowering, n: Node, x: list[V]) -> list[V]:
+    ids = L.m.reshape(x[0], x[0].shape + (1,))
+    return [L.m.gather_rows(x[1], ids, [0])]
+
+
+def _rms_norm(L: _Lowering, n: Node, x: list[V]) -> list[V]:
+    m = L.m
+    a, w = x
+    x32 = m.convert(a, "f32")
+    axis = len(a.shape) - 1
+    mean = m.binary("divide", m.reduce(m.binary("multiply", x32, x32), [axis], "add"),
+                    m.const(a.shape[-1], "f32", a.shape[:-1]))
+    scale = m.unary("rsqrt", m.binary("add", mean, m.const(n.attrs["eps"], "f32", a.shape[:-1])))
+    normed = m.convert(m.binary("multiply", x32, m.broadcast(scale, a.shape, list(range(axis)))), a.et)
+    return [m.binary("multiply", m.broadcast(w, a.shape, [axis]), normed)]
+
+
+def _linear(L: _Lowering, n: Node, x: list[V]) -> list[V]:
+    m = L.m
+    a, w = x[0], x[1]
+    axis = len(a.shape) - 1
+    y = m.dot(a, w, ([], []), ([axis], [1]), a.shape[:-1] + (w.shape[0],))
+    return [m.binary("add", y, m.broadcast(x[2], y.shape, [axis])) if len(x) == 3 else y]
+
+
+def _split(L: _Lowering, n: Node, x: list[V]) -> list[V]:
+    out, lo = [], 0
+    for size in n.attrs["sizes"]:
+        out.append(L.m.slice_last(x[0], lo, lo + size))
+        lo += size
+    return out
+
+
+def _rope(L: _Lowering, n: Node, x: list[V]) -> list[V]:
+    m = L.m
+    a, cos, sin = x
+    B, T, h, D = a.shape
+    rot = cos.shape[-1]
+    shape = (B, T, h, rot)
+    c, s = m.broadcast(cos, shape, [0, 1, 3]), m.broadcast(sin, shape, [0, 1, 3])
+    x_rot = m.slice_last(a, 0, rot) if rot < D else a
+    rotated = m.concat([m.unary("negate", m.slice_last(x_rot, rot // 2, rot)), m.slice_last(x_rot, 0, rot // 2)], 3)
+    out = m.binary("add", m.binary("multiply", x_rot, c), m.binary("multiply", rotated, s))
+    return [m.concat([out, m.slice_last(a, rot, D)], 3) if rot < D else out]
+
+
+def _attention(L: _Lowering, n: Node, x: list[V]) -> list[V]:
+    m = L.m
+    q, k, v, pos, slots = x
+    B, T, H, D = q.shape
+    KV = k.shape[2]
+    G = H // KV
+    S = L.k_cache.shape[3]
+    layer = m.const(L.layer, "i32", (B, T, 1))
+    slot = m.reshape(m.broadcast(slots, (B, T), [0]), (B, T, 1))
+    at = m.concat([layer, slot, m.reshape(pos, (B, T, 1))], 2)  # [B, T, 3]: (layer, row, position)
+    L.k_cache = m.scatter_set(L.k_cache, at, k, [0, 1, 3])
+    L.v_cache = m.scatter_set(L.v_cache, at, v, [0, 1, 3])
+    rows = m.concat([m.const(L.layer, "i32", (B, 1)), m.reshape(slots, (B, 1))], 1)  # [B, 2]
+    keys = m.gather_rows(L.k_cache, rows, [0, 1])  # [B, KV, S, D]
+    values = m.gather_rows(L.v_cache, rows, [0, 1])
+    qg = m.reshape(q, (B, T, KV, G, D))
+    scores = m.dot(qg, keys, ([0, 2], [0, 1]), ([4], [3]), (B, KV, T, G, S))  # [B, KV, T, G, S]
+    scores = m.binary("multiply", m.convert(scores, "f32"), m.const(L.attr(n, "scale"), "f32", scores.shape))
+    key_pos = m.iota(scores.shape, 4)
+    q_pos = m.broadcast(pos, scores.shape, [0, 2])
+    allowed = m.compare(key_pos, q_pos, "LE")  # causal; also hides stale cache entries
+    window = L.attr(n, "window")
+    if window is not None:
+        recent = m.compare(key_pos, m.binary("subtract", q_pos, m.const(window, "i32", scores.shape)), "GT")
+        allowed = m.binary("and", allowed, recent)
+    scores = m.select(allowed, scores, m.const(NEG_INF_F32, "f32", scores.shape))
+    peak = m.broadcast(m.reduce(scores, [4], "maximum"), scores.shape, [0, 1, 2, 3])
+    e = m.unary("exponential", m.binary("subtract", scores, peak))
+    total = m.broadcast(m.reduce(e, [4], "add"), scores.shape, [0, 1, 2, 3])
+    probs = m.convert(m.binary("divide", e, total), L.act)  # softmax in float32, as the reference
+    out = m.dot(probs, values, ([0, 1], [0, 1]), ([4], [2]), (B, KV, T, G, D))  # [B, KV, T, G, D]
+    return [m.reshape(m.transpose(out, [0, 2, 1, 3, 4]), (B, T, H, D))]
+
+
+def _gelu(L: _Lowering, n: Node, x: list[V]) -> list[V]:
+    m, a = L.m, x[0]
+    if n.attrs["approximate"] == "tanh":  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        cube = m.binary("multiply", a, m.binary("multiply", a, a))
+        inner = m.binary("multiply", m.const(0.7978845608, a.et, a.shape),
+                         m.binary("add", a, m.binary("multiply", m.const(0.044715, a.et, a.shape), cube)))
+        gate = m.binary("add", m.const(1.0, a.et, a.shape), m.unary("tanh", inner))
+    else:  # 0.5 x (1 + erf(x / sqrt 2)), erf from CHLO
+        scaled = m.binary("multiply", a, m.const(0.7071067812, a.et, a.shape))
+        erf = V(m._fresh(), a.shape, a.et)
+        m.lines.append(f'    {erf.name} = "chlo.erf"({scaled.name}) : ({scaled.ty}) -> {erf.ty}')
+        gate = m.binary("add", m.const(1.0, a.et, a.shape), erf)
+    return [m.binary("multiply", m.binary("multiply", a, m.const(0.5, a.et, a.shape)), gate)]
+
+
+def _pick_position(L: _Lowering, a: V, position: V) -> V:
+    """a[b, position[b]] for a [B, T, F] -> [B, F]."""
+    m = L.m
+    B = a.shape[0]
+    rows = m.concat([m.iota((B, 1), 0), m.reshape(position, (B, 1))], 1)  # [B, 2]
+    return m.gather_rows(a, rows, [0, 1])
+
+
+def _last_token(L: _Lowering, n: Node, x: list[V]) -> list[V]:
+    if L.all_logits:
+        return [x[0]]
+    a = x[0]
+    return [L.m.reshape(_pick_position(L, a, L.last), (a.shape[0], 1, a.shape[2]))]
+
+
+def _argmax(L: _Lowering, n: Node, x: list[V]) -> list[V]:
+    a = x[0]
+    position = L.last if L.all_logits else L.m.const(0, "i32", (a.shape[0],))
+    return [L.m.argmax_last(_pick_position(L, a, position))]
+
+
+LOWERINGS: dict[str, Lowering] = {
+    "positions": _positions,
+    "rope_table": _rope_table,
+    "embedding": _embedding,
+    "rms_norm": _rms_norm,
+    "linear": _linear,
+    "split": _split,
+    "reshape": lambda L, n, x: [L.m.reshape(x[0], L.shape(n.outputs[0]))],
+    "rope": _rope,
+    "attention": _attention,
+    "silu": lambda L, n, x: [L.m.binary("multiply", x[0], L.m.unary("logistic", x[0]))],
+    "gelu": _gelu,
+    "mul": lambda L, n, x: [L.m.binary("multiply", *x)],
+    "add": lambda L, n, x: [L.m.binary("add", *x)],
+    "last_token": _last_token,
+    "argmax": _argmax,
+}
+
+
+def _lower(L: _Lowering, nodes: list[Node]) -> None:
+    for n in nodes:
+        fn = LOWERINGS.get(n.op)
+        if fn is None:
+            raise IRError(f"the StableHLO emitter has no lowering for op '{n.op}'")
+        outs = fn(L, n, [L.value(i) for i in n.inputs])
+        for name, val in zip(n.outputs, outs, strict=True):
+            L.env[name] = val
+
+
+def weight_order(graph: Graph) -> list[str]:
+    """The weights' argument order of @main: the graph's own param order."""
+    return [full for full, _, _ in graph.all_params()]
+
+
+def emit_stablehlo(graph: Graph, dtype: str, cache_len: int, rows: int, B: int, T: int, all_logits: bool) -> str:
+    """The StableHLO module of one static step shape."""
+    verify(graph)
+    act = ELEM[dtype]
+    m = Module()
+    L = _Lowering(graph, m, act, B, T, all_logits)
+    c = graph.cache
+    args: list[str] = []
+    for full, p, _ in graph.all_params():
+        L.env[full] = V(f"%w{len(args)}", p.shape, act)
+        args.append(f"{L.env[full].name}: {L.env[full].ty}")
+    cache_shape = (c.layers, rows, c.kv_heads, cache_len, c.head_dim)
+    L.k_cache, L.v_cache = V("%k_cache", cache_shape, act), V("%v_cache", cache_shape, act)
+    args.append(f"%k_cache: {L.k_cache.ty} {{tf.aliasing_output = 2 : i32}}")
+    args.append(f"%v_cache: {L.v_cache.ty} {{tf.aliasing_output = 3 : i32}}")
+    for name, shape in (("ids", (B, T)), ("start", (B,)), ("slots", (B,)), ("last", (B,))):
+        L.env[name] = V(f"%{name}", shape, "i32")
+        args.append(f"%{name}: {L.env[name].ty}")
+    L.last = L.env["last"]
+
+    _lower(L, graph.prologue)
+    for i in range(graph.block.count):
+        L.layer = i
+        _lower(L, graph.block.nodes)
+        L.env[graph.block.carry] = L.env[graph.block.result]
+    L.layer = None
+    _lower(L, graph.epilogue)
+    next_token, logits = (L.env[o] for o in graph.outputs)
+    results = [next_token, logits, L.k_cache, L.v_cache]
+    spec = graph.meta.get("spec", {})
+    head = [
+        f"// Generated by Linnet from the IR of a {graph.meta.get('model_type')} checkpoint "
+        f"({graph.block.count} layers, hidden {spec.get('hidden_size')}, vocab {spec.get('vocab_size')}).",
+        f"// One step of B={B} rows x T={T} tokens{' (all logits)' if all_logits else ''}; "
+        f"KV cache [{c.layers}, {rows}, {c.kv_heads}, {cache_len}, {c.head_dim}] {act}, donated.",
+        "module @linnet_step {",
+        f"  func.func public @main({', '.join(args)}) -> ({', '.join(r.ty for r in results)}) {{",
+    ]
+    tail = [f"    \"func.return\"({', '.join(r.name for r in results)}) : ({', '.join(r.ty for r in results)}) -> ()",
+            "  }", "}"]
+    return "\n".join(head + m.lines + tail) + "\n"
