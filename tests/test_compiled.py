@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,13 +16,14 @@ from linnet_core.compile import compile_model, load_model
 from linnet_core.errors import BackendUnavailable
 from linnet_core.verify import verify
 
-COMPILED = ["inductor"] + (["jax"] if __import__("importlib").util.find_spec("jax") else [])
+COMPILED = ["inductor"] + (["jax", "stablehlo"] if importlib.util.find_spec("jax") else [])
+CACHE_FOLDER = {"jax": "xla_cache", "inductor": "inductor_cache", "stablehlo": "stablehlo"}
 
 
 @pytest.mark.parametrize("backend", COMPILED)
 def test_compile_fills_the_compiler_cache_inside_the_artifact(backend, checkpoints):
     c = compile_model(checkpoints["qwen3-headdim128"], backend, "float32", 48)
-    cache = c.artifact / {"jax": "xla_cache", "inductor": "inductor_cache"}[backend]
+    cache = c.artifact / CACHE_FOLDER[backend]
     assert cache.is_dir() and any(p.is_file() for p in cache.rglob("*"))
 
 
@@ -44,7 +46,7 @@ def test_prompts_of_every_length_and_padded_batches(backend, checkpoints):
         assert abs(a.logits - b.logits).max() <= 1e-4
 
 
-@pytest.mark.parametrize("backend", COMPILED)
+@pytest.mark.parametrize("backend", [b for b in COMPILED if b != "stablehlo"])
 def test_a_warm_load_does_not_compile_again(backend, checkpoints, session_cache):
     """A second process finds the compiled code in the artifact: it loads, it does not compile."""
     path = checkpoints["phi3-fused-window"]
@@ -86,3 +88,23 @@ def test_cudagraphs_without_a_gpu_says_so(checkpoints):
     with pytest.raises(BackendUnavailable, match="need an NVIDIA GPU"):
         compile_model(checkpoints["llama-gqa-untied"], "cudagraphs", "float32", 32)
     assert get_backend("cudagraphs").title == "CUDA graphs"
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("jax"), reason="JAX is not installed (pip install 'linnet[jax]')")
+def test_stablehlo_warm_load_deserializes(checkpoints, monkeypatch):
+    """The artifact keeps each bucket's module text and executable: a new session emits nothing."""
+    import linnet_core.backends.stablehlo_backend as shlo
+
+    path = checkpoints["qwen2-bias-tied"]
+    c = compile_model(path, "stablehlo", "float32", 40)
+    kept = sorted(p.name for p in (c.artifact / "stablehlo").iterdir())
+    assert any(n.endswith(".mlir") for n in kept) and any(n.endswith(".xla") for n in kept)
+
+    def no_emit(*args, **kwargs):
+        raise AssertionError("a warm load emitted StableHLO again")
+
+    monkeypatch.setattr(shlo, "emit_stablehlo", no_emit)
+    session, again = load_model(path, "stablehlo", "float32", 40)
+    assert again.hit
+    session.prefill([1, 2, 3])
+    session.decode([4], [3], [0])

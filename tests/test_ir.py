@@ -98,3 +98,46 @@ def test_emitted_python_matches_golden(case, emitter, checkpoints):
     assert path.is_file(), f"no golden copy at {path}; run with LINNET_UPDATE_GOLDEN=1 once"
     assert text == path.read_text()
     compile(text, str(path), "exec")
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES)
+def test_emitted_stablehlo_matches_golden_and_compiles(case, checkpoints):
+    """Golden text of one prefill bucket per family; XLA parses and compiles every one."""
+    pytest.importorskip("jax")
+    import jax
+    from jax._src.lib import xla_client as xc
+    from jax.extend.backend import get_backend
+
+    from linnet_core.backends.stablehlo_emit import emit_stablehlo
+
+    graph = optimize(build_graph(load_spec(checkpoints[case])))
+    text = emit_stablehlo(graph, "float32", 32, rows=2, B=1, T=16, all_logits=False)
+    path = GOLDEN / f"stablehlo-{case}.mlir.txt"
+    if os.environ.get("LINNET_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert path.is_file(), f"no golden copy at {path}; run with LINNET_UPDATE_GOLDEN=1 once"
+    assert text == path.read_text()
+    for dtype, B, T, all_logits in (("bfloat16", 2, 1, False), ("float16", 1, 8, True)):
+        other = emit_stablehlo(graph, dtype, 32, rows=2, B=B, T=T, all_logits=all_logits)
+        get_backend("cpu").compile_and_load(other, xc.DeviceList(tuple(jax.devices("cpu")[:1])), xc.CompileOptions())
+
+
+def test_stablehlo_emitter_fails_naming_a_missing_lowering(graph, monkeypatch):
+    pytest.importorskip("jax")
+    from linnet_core.backends import stablehlo_emit
+
+    monkeypatch.delitem(stablehlo_emit.LOWERINGS, "attention")
+    with pytest.raises(IRError, match="StableHLO emitter has no lowering for op 'attention'"):
+        stablehlo_emit.emit_stablehlo(graph, "float32", 32, rows=1, B=1, T=1, all_logits=False)
+
+
+def test_invalid_stablehlo_surfaces_with_xla_diagnostic(checkpoints, monkeypatch):
+    pytest.importorskip("jax")
+    import linnet_core.backends.stablehlo_backend as shlo
+    from linnet_core.compile import compile_model
+
+    real = shlo.emit_stablehlo
+    monkeypatch.setattr(shlo, "emit_stablehlo",
+                        lambda *a, **k: real(*a, **k).replace('"stablehlo.rsqrt"', '"stablehlo.rsqrtt"'))
+    with pytest.raises(IRError, match="XLA refused the emitted StableHLO"):
+        compile_model(checkpoints["llama-mha-tied-legacy"], "stablehlo", "float32", 24)
