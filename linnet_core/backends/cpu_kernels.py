@@ -10,7 +10,10 @@ and skipped, never fatal, where this PyTorch build or CPU lacks it; LINNET_CPU_P
 from __future__ import annotations
 
 import functools
+import itertools
 import os
+import weakref
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,21 +40,55 @@ def packing_works(dtype: torch.dtype) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight reordered for oneDNN (an opaque mkldnn tensor; the generated `linear` takes it)."""
+    """The weight reordered for oneDNN (an opaque mkldnn tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
 
+_LIVE: "weakref.WeakValueDictionary[int, PackedLinear]" = weakref.WeakValueDictionary()
+_NEXT = itertools.count()
+
+
+@torch.library.custom_op("linnet::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, handle: int, out_features: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x @ W.T (+ bias) through oneDNN, W being the packed weight registered under `handle`.
+
+    A custom op, so torch.compile sees one opaque call (shape from the fake below) and keeps the
+    packed kernel, where its own freezing pass would pick MKL's slower packed GEMM for float32.
+    """
+    return torch.ops.mkldnn._linear_pointwise(x, _LIVE[handle].packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, handle, out_features, bias=None):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+class PackedLinear:
+    """A linear weight packed for this CPU; the generated `linear` calls it instead of F.linear."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.packed = pack(weight)
+        self.out_features = weight.shape[0]
+        self.handle = next(_NEXT)
+        _LIVE[self.handle] = self
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # traced: one opaque op for the compiler
+            return torch.ops.linnet.packed_linear(x, self.handle, self.out_features, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")  # eager: no dispatch detour
+
+
 def pack_linear_weights(weights: dict, names: dict[str, list[str]]) -> int:
-    """Replace, in place, the weights that feed linear ops by packed copies; returns how many."""
+    """Replace, in place, the weights that feed linear ops by PackedLinear kernels; returns how many."""
     sample = next(iter(weights["global"].values()))
     if sample.device.type != "cpu" or not packing_works(sample.dtype):
         return 0
     count = 0
     for name in names["global"]:
-        weights["global"][name] = pack(weights["global"][name])
+        weights["global"][name] = PackedLinear(weights["global"][name])
         count += 1
     for layer in weights["layers"]:
         for name in names["block"]:
-            layer[name] = pack(layer[name])
+            layer[name] = PackedLinear(layer[name])
             count += 1
     return count

@@ -3,7 +3,8 @@
 Static shapes: prompts are padded to power-of-two buckets and decode batches to power-of-two
 row counts (padding rows write into one spare cache row), attention always spans the whole
 cache, so each bucket compiles once, with `fullgraph=True` (a graph break is an error, not a
-slowdown). The weights are closed over and frozen, so inductor folds and pre-packs them.
+slowdown). On CPU the linear weights are packed for oneDNN (see cpu_kernels) and the rest are frozen
+into constants, so inductor fuses everything around the GEMVs.
 Inductor's caches live in the artifact (`inductor_cache/`), filled for the first buckets at
 compile time, so a second process loads compiled code instead of compiling it again.
 `cudagraphs` adds CUDA graph capture of every bucket (mode "reduce-overhead") and needs a GPU.
@@ -23,6 +24,7 @@ from ..ir.graph import Graph
 from ..runtime.session import Session
 from ..weights import Checkpoint
 from .jax_backend import MIN_PROMPT_BUCKET, bucket, warm_up
+from .cpu_kernels import pack_linear_weights
 from .torch_backend import TorchBackend, TorchSession, import_generated, load_prepared_weights
 
 
@@ -41,18 +43,44 @@ def use_inductor_cache(folder: Path) -> None:
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
 
 
+class FrozenStep(torch.nn.Module):
+    """The generated step with the tensor weights as module parameters, so inductor's freezing
+    folds them into constants; linear weights packed for the CPU (PackedLinear) stay callables."""
+
+    def __init__(self, step, weights: dict, cache_len: int):
+        super().__init__()
+        self.step, self.cache_len = step, cache_len
+        self.names: list[tuple[int | None, str]] = []
+        self.kernels: dict[int, object] = {}
+        for layer, group in [(None, weights["global"])] + list(enumerate(weights["layers"])):
+            for name, w in group.items():
+                k = len(self.names)
+                if isinstance(w, torch.Tensor):
+                    self.register_parameter(f"w{k}", torch.nn.Parameter(w, requires_grad=False))
+                else:
+                    self.kernels[k] = w
+                self.names.append((layer, name))
+        self.layers = len(weights["layers"])
+
+    def weights(self) -> dict:
+        out: dict = {"global": {}, "layers": [{} for _ in range(self.layers)]}
+        for k, (layer, name) in enumerate(self.names):
+            group = out["global"] if layer is None else out["layers"][layer]
+            group[name] = self.kernels[k] if k in self.kernels else getattr(self, f"w{k}")
+        return out
+
+    def forward(self, ids, start, slots, last, k_cache, v_cache, all_logits: bool = False):
+        return self.step(self.weights(), ids, start, slots, last, self.cache_len, k_cache, v_cache, all_logits)
+
+
 class CompiledTorchSession(TorchSession):
     """TorchSession over a compiled step: padded to buckets, one spare row for padding rows."""
 
     def __init__(self, module, weights, info: dict, rows: int, device: str, backend: str, mode: str | None):
         super().__init__(module, weights, info, rows + 1, device, backend)
         self.rows = rows  # row `rows` is the spare one that padding rows write into
-        step, cache_len = module.step, self.cache_len
-
-        def frozen_step(ids, start, slots, last, k_cache, v_cache, all_logits: bool = False):
-            return step(weights, ids, start, slots, last, cache_len, k_cache, v_cache, all_logits)
-
-        self.compiled = torch.compile(frozen_step, fullgraph=True, dynamic=False, mode=mode)
+        self.frozen = FrozenStep(module.step, weights, self.cache_len).eval()
+        self.compiled = torch.compile(self.frozen, fullgraph=True, dynamic=False, mode=mode)
 
     def _run(self, ids: Sequence[Sequence[int]], start: Sequence[int], slots: Sequence[int], all_logits: bool):
         B, T = len(ids), len(ids[0])
@@ -78,7 +106,7 @@ class CompiledTorchSession(TorchSession):
 class InductorBackend(TorchBackend):
     name = "inductor"
     title = "inductor"
-    artifact_format = "1"
+    artifact_format = "2"
     mode: str | None = None  # torch.compile mode
 
     def toolchain(self) -> dict[str, str]:
@@ -88,12 +116,14 @@ class InductorBackend(TorchBackend):
         super().compile(graph, ckpt, dtype, cache_len, out)
         warm_up(self.load(out, rows=1))
 
-    def load(self, artifact: Path, rows: int, device: str | None = None, pack_weights: bool = False) -> Session:
+    def load(self, artifact: Path, rows: int, device: str | None = None, pack_weights: bool = True) -> Session:
         use_inductor_cache(artifact / "inductor_cache")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         info = json.loads((artifact / "artifact.json").read_text())
         module = import_generated(artifact / "model.py", "linnet_inductor")
         weights = load_prepared_weights(artifact / "weights.safetensors", device)
+        if device == "cpu" and pack_weights:
+            pack_linear_weights(weights, info["linear_weights"])
         return CompiledTorchSession(module, weights, info, rows, device, self.name, self.mode)
 
 

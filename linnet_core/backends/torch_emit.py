@@ -22,9 +22,9 @@ def rope_table(pos, inv_freq, dtype):
 
 
 def linear(x, weight, bias=None):
-    """x @ weight.T (+ bias). On CPU the runtime may pre-pack weights for oneDNN's kernel."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    """x @ weight.T (+ bias). A weight the runtime packed for this CPU is a callable kernel."""
+    if callable(weight):
+        return weight(x, bias)
     return F.linear(x, weight, bias)
 
 
