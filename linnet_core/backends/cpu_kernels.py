@@ -10,9 +10,9 @@ and skipped, never fatal, where this PyTorch build or CPU lacks it; LINNET_CPU_P
 from __future__ import annotations
 
 import functools
-import itertools
 import os
-import weakref
+import threading
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -44,18 +44,30 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
 
-_LIVE: "weakref.WeakValueDictionary[int, PackedLinear]" = weakref.WeakValueDictionary()
-_NEXT = itertools.count()
+_active = threading.local()  # the kernels of the session whose compiled step runs in this thread
+
+
+@contextmanager
+def active(kernels: list["PackedLinear"]):
+    """Make `kernels` the ones `packed_linear` handles refer to, while a compiled step runs."""
+    previous = getattr(_active, "kernels", None)
+    _active.kernels = kernels
+    try:
+        yield
+    finally:
+        _active.kernels = previous
 
 
 @torch.library.custom_op("linnet::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, handle: int, out_features: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x @ W.T (+ bias) through oneDNN, W being the packed weight registered under `handle`.
+    """x @ W.T (+ bias) through oneDNN, W being kernel number `handle` of the running session.
 
     A custom op, so torch.compile sees one opaque call (shape from the fake below) and keeps the
     packed kernel, where its own freezing pass would pick MKL's slower packed GEMM for float32.
+    Handles are positions in the session's weights, the same in every process, so compiled code
+    cached on disk stays valid.
     """
-    return torch.ops.mkldnn._linear_pointwise(x, _LIVE[handle].packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, _active.kernels[handle].packed, bias, "none", [], "")
 
 
 @packed_linear.register_fake
@@ -66,11 +78,10 @@ def _(x, handle, out_features, bias=None):
 class PackedLinear:
     """A linear weight packed for this CPU; the generated `linear` calls it instead of F.linear."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, handle: int):
         self.packed = pack(weight)
         self.out_features = weight.shape[0]
-        self.handle = next(_NEXT)
-        _LIVE[self.handle] = self
+        self.handle = handle
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():  # traced: one opaque op for the compiler
@@ -78,17 +89,16 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")  # eager: no dispatch detour
 
 
-def pack_linear_weights(weights: dict, names: dict[str, list[str]]) -> int:
-    """Replace, in place, the weights that feed linear ops by PackedLinear kernels; returns how many."""
+def pack_linear_weights(weights: dict, names: dict[str, list[str]]) -> list[PackedLinear]:
+    """Replace, in place, the weights that feed linear ops by PackedLinear kernels; returns them
+    in handle order (empty where packing does not run here)."""
     sample = next(iter(weights["global"].values()))
     if sample.device.type != "cpu" or not packing_works(sample.dtype):
-        return 0
-    count = 0
-    for name in names["global"]:
-        weights["global"][name] = PackedLinear(weights["global"][name])
-        count += 1
-    for layer in weights["layers"]:
-        for name in names["block"]:
-            layer[name] = PackedLinear(layer[name])
-            count += 1
-    return count
+        return []
+    kernels: list[PackedLinear] = []
+    groups = [(weights["global"], names["global"])] + [(layer, names["block"]) for layer in weights["layers"]]
+    for group, linear_names in groups:
+        for name in linear_names:
+            group[name] = PackedLinear(group[name], len(kernels))
+            kernels.append(group[name])
+    return kernels

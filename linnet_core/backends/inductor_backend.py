@@ -24,6 +24,7 @@ from ..ir.graph import Graph
 from ..runtime.session import Session
 from ..weights import Checkpoint
 from .jax_backend import MIN_PROMPT_BUCKET, bucket, warm_up
+from . import cpu_kernels
 from .cpu_kernels import pack_linear_weights
 from .torch_backend import TorchBackend, TorchSession, import_generated, load_prepared_weights
 
@@ -76,8 +77,10 @@ class FrozenStep(torch.nn.Module):
 class CompiledTorchSession(TorchSession):
     """TorchSession over a compiled step: padded to buckets, one spare row for padding rows."""
 
-    def __init__(self, module, weights, info: dict, rows: int, device: str, backend: str, mode: str | None):
+    def __init__(self, module, weights, kernels: list, info: dict, rows: int, device: str, backend: str,
+                 mode: str | None):
         super().__init__(module, weights, info, rows + 1, device, backend)
+        self.kernels = kernels
         self.rows = rows  # row `rows` is the spare one that padding rows write into
         self.frozen = FrozenStep(module.step, weights, self.cache_len).eval()
         self.compiled = torch.compile(self.frozen, fullgraph=True, dynamic=False, mode=mode)
@@ -94,7 +97,7 @@ class CompiledTorchSession(TorchSession):
         slots_p = torch.full((Bp,), self.rows, dtype=torch.int64)  # padding rows -> the spare row
         slots_p[:B] = torch.tensor(slots)
         last = torch.full((Bp,), T - 1, dtype=torch.int64)
-        with torch.inference_mode():
+        with torch.inference_mode(), cpu_kernels.active(self.kernels):
             next_token, logits = self.compiled(ids_p.to(dev), start_p.to(dev), slots_p.to(dev), last.to(dev),
                                                self.k_cache, self.v_cache, all_logits)
         if all_logits:  # the greedy token of a padded prompt is at `last`, not at the bucket's end
@@ -122,9 +125,8 @@ class InductorBackend(TorchBackend):
         info = json.loads((artifact / "artifact.json").read_text())
         module = import_generated(artifact / "model.py", "linnet_inductor")
         weights = load_prepared_weights(artifact / "weights.safetensors", device)
-        if device == "cpu" and pack_weights:
-            pack_linear_weights(weights, info["linear_weights"])
-        return CompiledTorchSession(module, weights, info, rows, device, self.name, self.mode)
+        kernels = pack_linear_weights(weights, info["linear_weights"]) if device == "cpu" and pack_weights else []
+        return CompiledTorchSession(module, weights, kernels, info, rows, device, self.name, self.mode)
 
 
 class CudaGraphsBackend(InductorBackend):
