@@ -263,8 +263,9 @@ def main() -> None:
             samples[name].append(fn())
         print(f"run {r + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1][1]:.1f} tok/s" for k, v in samples.items()),
               file=sys.stderr)
-    del hf, sessions, runners
-    llm = hf_c = None
+    sessions.clear()
+    runners.clear()
+    hf = hf_c = llm = None  # free them before the load-time processes run
 
     loads: dict[str, list[float]] = {name: [] for name in samples}
     for _ in range(3):

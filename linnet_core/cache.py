@@ -163,7 +163,7 @@ class ArtifactCache:
             if manifest is not None:
                 self.touch(path)
                 return Entry(path, True, manifest)
-        except _Damaged as e:
+        except _Damaged:
             pass  # rebuilt below, under the lock
         with FileLock(str(self.root / "locks" / f"{key.digest[:32]}.lock")):
             try:

@@ -85,7 +85,7 @@ def compile_model(model: str | Path | Model | None, backend: str = "torch", dtyp
     dt = pick_dtype(dtype, m.spec)
     try:
         be.check_available(dt)
-    except BackendUnavailable as e:
+    except BackendUnavailable:
         if dtype != "auto" or dt == "float32":
             raise
         # `auto` asked for no dtype in particular: float32 runs where the checkpoint's does not.

@@ -9,7 +9,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from linnet_core.backends import get_backend
 from linnet_core.cache import ArtifactCache, CacheWarning, cache_root

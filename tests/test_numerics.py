@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import CASE_IDS, CPU_BACKENDS, HALF_DTYPES
 
-from linnet_core.compile import load_model, open_model
+from linnet_core.compile import load_model
 from linnet_core.reference import load_reference, run_reference
 from linnet_core.verify import TOLERANCE, verify
 

@@ -25,6 +25,7 @@ class Backend(ABC):
 
     def check_available(self, dtype: str) -> None:
         """Raise BackendUnavailable, saying why in one line, when this backend cannot run here."""
+        return None
 
     @abstractmethod
     def compile(self, graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path) -> None:

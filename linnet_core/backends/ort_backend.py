@@ -51,7 +51,6 @@ def _missing_kernel(error: Exception, provider: str, dtype: str) -> BackendUnava
 @functools.lru_cache(maxsize=None)
 def _probe_dtype(providers: tuple[str, ...], dtype: str) -> str | None:
     """Try a one-MatMul model in `dtype` on `providers`; the reason it fails, or None."""
-    import onnx
     from onnx import helper
 
     ort = import_ort()
