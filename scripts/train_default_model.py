@@ -5,7 +5,7 @@ CPython install carries offline: the reference topics in `pydoc_data` and the do
 standard library (read with `ast`, never imported). The point is a fresh install that answers
 `linnet run --prompt ...` with words, not a useful model.
 
-    python scripts/train_default_model.py --steps 600 --out linnet_core/default_model
+    python scripts/train_default_model.py --steps 3000 --out linnet_core/default_model
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def train_tokenizer(texts: list[str], out: Path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("linnet_core/default_model"))
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
