@@ -125,9 +125,9 @@ class JaxSession(XlaSession):
         return next_token, logits
 
 
-class JaxBackend(Backend):
-    name = "jax"
-    title = "XLA (generated JAX)"
+class XlaBackend(Backend):
+    """What the two XLA backends share: JAX as the toolchain (its version and platform key the cache)."""
+
     artifact_format = "1"
 
     def toolchain(self) -> dict[str, str]:
@@ -136,6 +136,11 @@ class JaxBackend(Backend):
 
     def check_available(self, dtype: str) -> None:
         import_jax()
+
+
+class JaxBackend(XlaBackend):
+    name = "jax"
+    title = "XLA (generated JAX)"
 
     def compile(self, graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path) -> None:
         from .jax_emit import emit

@@ -23,10 +23,11 @@ import torch
 from .. import __version__
 from .. import params as prepared
 from ..errors import BackendUnavailable, IRError
-from ..ir.graph import Graph, LayerAttr, Node
+from ..ir.graph import Graph, Node
 from ..ir.rope import inv_freq
 from ..ir.verify import verify
 from ..weights import Checkpoint
+from .lowering import Lowering
 
 OPSET = 23
 INT64_MAX = np.iinfo(np.int64).max
@@ -92,27 +93,19 @@ class OnnxGraphBuilder:
         return self._consts[key]
 
 
-class _Lowering:
-    """State shared by the op lowerings of one graph."""
+class _Lowering(Lowering):
+    """State shared by the ONNX op lowerings of one graph (env holds ONNX value names)."""
+
+    emitter = "ONNX"
 
     def __init__(self, g: Graph, b: OnnxGraphBuilder, dtype: str):
-        self.g, self.b, self.dtype = g, b, dtype
-        self.env: dict[str, str] = {}  # IR value / param name -> ONNX name
-        self.layer: int | None = None
+        super().__init__(g, LOWERINGS)
+        self.b, self.dtype = b, dtype
         self.scatter_idx: str | None = None
         self.masks: dict[object, str] = {}
 
-    def name(self, ir_name: str) -> str:
-        if self.layer is not None and ir_name in self.g.block.params:
-            return self.g.block_param_name(ir_name, self.layer)
-        return self.env.get(ir_name, ir_name)
 
-    def attr(self, n: Node, key: str):
-        v = n.attrs[key]
-        return self.g.block.layer_attrs[v.key][self.layer] if isinstance(v, LayerAttr) else v
-
-
-Lowering = Callable[[_Lowering, Node, list[str]], list[str]]
+OnnxLowering = Callable[[_Lowering, Node, list[str]], list[str]]
 
 
 def _positions(L: _Lowering, n: Node, x: list[str]) -> list[str]:
@@ -222,7 +215,7 @@ def _silu(L: _Lowering, n: Node, x: list[str]) -> list[str]:
     return [L.b.op("Mul", [x[0], L.b.op("Sigmoid", [x[0]])])]
 
 
-LOWERINGS: dict[str, Lowering] = {
+LOWERINGS: dict[str, OnnxLowering] = {
     "positions": _positions,
     "rope_table": _rope_table,
     "embedding": lambda L, n, x: [L.b.op("Gather", [x[1], x[0]], axis=0)],
@@ -242,16 +235,6 @@ LOWERINGS: dict[str, Lowering] = {
         "ArgMax", [L.b.op("Squeeze", [L.b.op("Slice", [x[0], L.b.const([-1]), L.b.const([INT64_MAX]), L.b.const([1])]),
                                       L.b.const([1])])], axis=-1, keepdims=0)],
 }
-
-
-def _lower(L: _Lowering, nodes: list[Node]) -> None:
-    for n in nodes:
-        fn = LOWERINGS.get(n.op)
-        if fn is None:
-            raise IRError(f"the ONNX emitter has no lowering for op '{n.op}'")
-        outs = fn(L, n, [L.name(i) for i in n.inputs])
-        for ir_name, onnx_name in zip(n.outputs, outs, strict=True):
-            L.env[ir_name] = onnx_name
 
 
 def transposed(graph: Graph) -> set[str]:
@@ -313,18 +296,10 @@ def emit_onnx(graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: P
                    for i in range(c.layers)]
     for name in ("ids", "start", "slots", "kv_len", "logits_from"):
         b._names.add(name)
-    for v in graph.inputs:
-        L.env[v.name] = v.name
+    for name in [v.name for v in graph.inputs] + [full for full, _, _ in graph.all_params()]:
+        L.env[name] = name  # graph inputs and weight initializers keep their names
 
-    _lower(L, graph.prologue)
-    for i in range(graph.block.count):
-        L.layer = i
-        _lower(L, graph.block.nodes)
-        L.env[graph.block.carry] = L.env[graph.block.result]
-    L.layer = None
-    _lower(L, graph.epilogue)
-
-    next_token, logits = (L.env[o] for o in graph.outputs)
+    next_token, logits = L.run()
     b.nodes.append(helper.make_node("Identity", [next_token], ["next_token"], name="out_next_token"))
     b.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="out_logits"))
     outputs = [helper.make_tensor_value_info("next_token", TensorProto.INT64, ["B"]),

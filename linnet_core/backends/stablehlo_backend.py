@@ -20,8 +20,8 @@ from ..models import build_graph
 from ..models.spec import ModelSpec, RopeSpec
 from ..runtime.session import Session
 from ..weights import Checkpoint
-from .base import Backend, write_artifact_info
-from .jax_backend import XlaSession, import_jax, to_jax, warm_up
+from .base import write_artifact_info
+from .jax_backend import XlaBackend, XlaSession, import_jax, to_jax, warm_up
 from .stablehlo_emit import emit_stablehlo, weight_order
 from .torch_backend import load_prepared_weights, write_prepared_weights
 
@@ -84,17 +84,9 @@ class StablehloSession(XlaSession):
         return next_token, logits
 
 
-class StablehloBackend(Backend):
+class StablehloBackend(XlaBackend):
     name = "stablehlo"
     title = "XLA (StableHLO)"
-    artifact_format = "1"
-
-    def toolchain(self) -> dict[str, str]:
-        jax = import_jax()
-        return {"jax": jax.__version__, "platform": jax.default_backend(), "format": self.artifact_format}
-
-    def check_available(self, dtype: str) -> None:
-        import_jax()
 
     def compile(self, graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path) -> None:
         graph = optimize(graph)

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import IRError
-from ..ir.graph import Graph, LayerAttr, Node
+from ..ir.graph import Graph, Node
 from ..ir.rope import inv_freq
 from ..ir.verify import verify
+from .lowering import Lowering
 
 ELEM = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 NEG_INF_F32 = "0xFF800000"
@@ -201,30 +201,24 @@ class Module:
                        f"scatter_dimension_numbers = {dn}, indices_are_sorted = false, unique_indices = false", region)
 
 
-class _Lowering:
+class _Lowering(Lowering):
+    """State shared by the StableHLO op lowerings of one module (env holds SSA values)."""
+
+    emitter = "StableHLO"
+
     def __init__(self, g: Graph, m: Module, act: str, B: int, T: int, all_logits: bool):
-        self.g, self.m, self.act, self.B, self.T, self.all_logits = g, m, act, B, T, all_logits
-        self.env: dict[str, V] = {}
-        self.layer: int | None = None
+        super().__init__(g, LOWERINGS)
+        self.m, self.act, self.B, self.T, self.all_logits = m, act, B, T, all_logits
         self.k_cache: V | None = None
         self.v_cache: V | None = None
         self.last: V | None = None
-
-    def value(self, name: str) -> V:
-        if self.layer is not None and name in self.g.block.params:
-            return self.env[self.g.block_param_name(name, self.layer)]
-        return self.env[name]
-
-    def attr(self, n: Node, key: str):
-        v = n.attrs[key]
-        return self.g.block.layer_attrs[v.key][self.layer] if isinstance(v, LayerAttr) else v
 
     def shape(self, ir_name: str) -> tuple[int, ...]:
         sub = {"B": self.B, "T": self.T, "T'": self.T if self.all_logits else 1}
         return tuple(sub.get(d, d) for d in self.g.values[ir_name].shape)
 
 
-Lowering = Callable[[_Lowering, Node, list[V]], list[V]]
+HloLowering = Callable[[_Lowering, Node, list[V]], list[V]]
 
 
 def _positions(L: _Lowering, n: Node, x: list[V]) -> list[V]:
@@ -359,7 +353,7 @@ def _argmax(L: _Lowering, n: Node, x: list[V]) -> list[V]:
     return [L.m.argmax_last(_pick_position(L, a, position))]
 
 
-LOWERINGS: dict[str, Lowering] = {
+LOWERINGS: dict[str, HloLowering] = {
     "positions": _positions,
     "rope_table": _rope_table,
     "embedding": _embedding,
@@ -376,16 +370,6 @@ LOWERINGS: dict[str, Lowering] = {
     "last_token": _last_token,
     "argmax": _argmax,
 }
-
-
-def _lower(L: _Lowering, nodes: list[Node]) -> None:
-    for n in nodes:
-        fn = LOWERINGS.get(n.op)
-        if fn is None:
-            raise IRError(f"the StableHLO emitter has no lowering for op '{n.op}'")
-        outs = fn(L, n, [L.value(i) for i in n.inputs])
-        for name, val in zip(n.outputs, outs, strict=True):
-            L.env[name] = val
 
 
 def weight_order(graph: Graph) -> list[str]:
@@ -413,14 +397,7 @@ def emit_stablehlo(graph: Graph, dtype: str, cache_len: int, rows: int, B: int, 
         args.append(f"%{name}: {L.env[name].ty}")
     L.last = L.env["last"]
 
-    _lower(L, graph.prologue)
-    for i in range(graph.block.count):
-        L.layer = i
-        _lower(L, graph.block.nodes)
-        L.env[graph.block.carry] = L.env[graph.block.result]
-    L.layer = None
-    _lower(L, graph.epilogue)
-    next_token, logits = (L.env[o] for o in graph.outputs)
+    next_token, logits = L.run()
     results = [next_token, logits, L.k_cache, L.v_cache]
     spec = graph.meta.get("spec", {})
     head = [
