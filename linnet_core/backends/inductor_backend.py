@@ -82,6 +82,10 @@ class CompiledTorchSession(TorchSession):
         super().__init__(module, weights, info, rows + 1, device, backend)
         self.kernels = kernels
         self.rows = rows  # row `rows` is the spare one that padding rows write into
+        # The caches are updated in place every step: a static address lets inductor write them
+        # where they lie instead of through copies (and lets CUDA graphs replay over them).
+        torch._dynamo.mark_static_address(self.k_cache)
+        torch._dynamo.mark_static_address(self.v_cache)
         self.frozen = FrozenStep(module.step, weights, self.cache_len).eval()
         self.compiled = torch.compile(self.frozen, fullgraph=True, dynamic=False, mode=mode)
 

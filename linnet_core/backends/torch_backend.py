@@ -107,7 +107,7 @@ class TorchBackend(Backend):
     title = "generated PyTorch"
 
     # Bump when the artifact's files or their meaning change, so older cache entries miss.
-    artifact_format = "4"
+    artifact_format = "5"
 
     def toolchain(self) -> dict[str, str]:
         return {"torch": torch.__version__, "format": self.artifact_format}

@@ -47,16 +47,18 @@ def apply_rope(x, cos, sin):
     return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
 
 
-def attention(q, k, v, pos, slots, kv_len, k_cache, v_cache, window, scale):
-    """Write k, v at `pos` of cache rows `slots`, then attend over the first kv_len positions.
+def attention(q, k, v, pos, slots, kv_len, k_cache, v_cache, layer, window, scale):
+    """Write k, v at `pos` of cache rows `slots` of `layer`, then attend over the first kv_len positions.
 
-    q [B, T, H, D]; k, v [B, T, KV, D]; caches [rows, KV, S, D]; returns [B, T, H, D].
+    q [B, T, H, D]; k, v [B, T, KV, D]; caches [L, rows, KV, S, D]; returns [B, T, H, D].
+    The write indexes the whole cache (no view of it), so a compiler can update it in place.
     """
     rows = slots[:, None].expand_as(pos)  # [B, T]
-    k_cache[rows, :, pos] = k  # advanced indices first: the target is [B, T, KV, D]
-    v_cache[rows, :, pos] = v
-    keys = k_cache[:, :, :kv_len].index_select(0, slots)  # [B, KV, kv_len, D]
-    values = v_cache[:, :, :kv_len].index_select(0, slots)
+    layers = torch.full_like(pos, layer)  # [B, T]
+    k_cache[layers, rows, :, pos] = k  # advanced indices first: the target is [B, T, KV, D]
+    v_cache[layers, rows, :, pos] = v
+    keys = k_cache[layer, :, :, :kv_len].index_select(0, slots)  # [B, KV, kv_len, D]
+    values = v_cache[layer, :, :, :kv_len].index_select(0, slots)
     key_pos = torch.arange(kv_len, device=pos.device)  # [kv_len]
     mask = key_pos <= pos[..., None]  # [B, T, kv_len]: causal, and hides stale cache entries
     if window is not None:
@@ -79,7 +81,7 @@ TEMPLATES: dict[str, str] = {
     "split": "{out} = {a}.split({sizes}, dim=-1)",
     "reshape": "{out} = {a}.reshape({shape})",
     "rope": "{out} = apply_rope({args})",
-    "attention": "{out} = attention({args}, kv_len, k_cache[i], v_cache[i], {window}, {scale})",
+    "attention": "{out} = attention({args}, kv_len, k_cache, v_cache, i, {window}, {scale})",
     "silu": "{out} = F.silu({a})",
     "gelu": "{out} = F.gelu({a}, approximate={approximate})",
     "mul": "{out} = {a} * {b}",
