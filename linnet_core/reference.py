@@ -16,7 +16,7 @@ class ReferenceRun:
     tokens: list[int]  # greedy tokens: after the prompt, then after each step (steps + 1)
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     """Keep transformers' progress bars and advice off a command's stderr."""
     from transformers.utils import logging
 
@@ -28,7 +28,7 @@ def load_reference(path: Path, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    _quiet_transformers()
+    quiet_transformers()
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -39,7 +39,9 @@ def load_reference(path: Path, dtype: str = "float32"):
     return model.eval()
 
 
-def run_reference(model, prompt: list[int], steps: int) -> ReferenceRun:
+def run_reference(model, prompt: list[int], steps: int, feed: list[int] | None = None) -> ReferenceRun:
+    """Prefill, then `steps` decode steps fed the model's own greedy tokens, or `feed` when given
+    (teacher forcing: another model's logits are then compared position by position)."""
     import warnings
 
     import torch
@@ -50,8 +52,9 @@ def run_reference(model, prompt: list[int], steps: int) -> ReferenceRun:
         rows = [out.logits[0].float()]
         past = out.past_key_values
         tokens = [int(rows[-1][-1].argmax())]
-        for _ in range(steps):
-            out = model(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+        for k in range(steps):
+            nxt = feed[k] if feed is not None else tokens[-1]
+            out = model(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
             past = out.past_key_values
             rows.append(out.logits[0].float())
             tokens.append(int(rows[-1][-1].argmax()))

@@ -30,13 +30,25 @@ def _read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def read_chat_template(folder: Path, tokenizer_config: dict | None = None) -> str | None:
+    """The chat template, from `chat_template.jinja`, `tokenizer_config.json` or `chat_template.json`."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    cfg = tokenizer_config if tokenizer_config is not None else _read_json(folder / "tokenizer_config.json")
+    template = cfg.get("chat_template") or _read_json(folder / "chat_template.json").get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) else None
+
+
 class Tokenizer:
     def __init__(self, folder: Path):
         self.folder = folder
         cfg = _read_json(folder / "tokenizer_config.json")
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
-        self.chat_template = self._chat_template(folder, cfg)
+        self.chat_template = read_chat_template(folder, cfg)
         path = folder / "tokenizer.json"
         if path.is_file():
             from tokenizers import Tokenizer as HFTokenizer
@@ -58,16 +70,6 @@ class Tokenizer:
         self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
         if self.eos_token is not None and self.token_id(self.eos_token) is not None:
             self.eos_ids.add(self.token_id(self.eos_token))
-
-    @staticmethod
-    def _chat_template(folder: Path, cfg: dict) -> str | None:
-        jinja = folder / "chat_template.jinja"
-        if jinja.is_file():
-            return jinja.read_text(encoding="utf-8")
-        template = cfg.get("chat_template") or _read_json(folder / "chat_template.json").get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        return template
 
     @property
     def vocab_size(self) -> int:

@@ -44,6 +44,14 @@ class VerifyReport:
         return asdict(self)
 
 
+def compare_logits(logits: np.ndarray, reference: np.ndarray, dtype: str) -> tuple[float, float, float]:
+    """(distance, tolerance, top-1 agreement) of logits [N, V] against the reference's [N, V]."""
+    distance = float(np.abs(logits - reference).max())
+    top1 = float((logits.argmax(-1) == reference.argmax(-1)).mean())
+    tolerance = TOLERANCE[dtype] * max(1.0, float(np.abs(reference).max()))
+    return distance, tolerance, top1
+
+
 def prompt_ids(model: Model, prompt: str | None) -> list[int]:
     try:
         tok = Tokenizer(model.path)
@@ -77,9 +85,7 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
         got.append(session.decode([ref.tokens[k]], [len(ids) + k], [0], logits=True))
     logits = np.concatenate([g.logits[0] for g in got])  # [T + steps, V]
     tokens = [g.tokens[0] for g in got]
-    distance = float(np.abs(logits - ref.logits).max())
-    top1 = float((logits.argmax(-1) == ref.logits.argmax(-1)).mean())
-    tolerance = TOLERANCE[compiled.dtype] * max(1.0, float(np.abs(ref.logits).max()))
+    distance, tolerance, top1 = compare_logits(logits, ref.logits, compiled.dtype)
     return VerifyReport(
         model=m.resolved.name, backend=compiled.backend, dtype=compiled.dtype, prompt_tokens=len(ids), steps=steps,
         distance=distance, tolerance=tolerance, top1_agreement=top1, tokens_match=tokens == ref.tokens,

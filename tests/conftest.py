@@ -20,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
+TOKENIZED_VOCAB = 384
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=160, max_position_embeddings=256)
 
 
@@ -30,6 +31,7 @@ class Case:
     kwargs: dict = field(default_factory=dict)
     legacy: bool = False  # rewrite config.json in the pre-v5 style
     shard: bool = False
+    tokenizer: str = "spm"  # the style of tokenizer its export fixture ships (tests/tokenizer_fixtures.py)
 
 
 CASES = [
@@ -39,18 +41,18 @@ CASES = [
     Case("llama-llama3-rope", "LlamaConfig", dict(
         num_attention_heads=4, num_key_value_heads=2, rope_parameters=dict(
             rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-            original_max_position_embeddings=32))),
+            original_max_position_embeddings=32)), tokenizer="llama3"),
     Case("llama-linear-rope-legacy-sharded", "LlamaConfig", dict(
         num_attention_heads=4, num_key_value_heads=1, rope_parameters=dict(rope_type="linear", rope_theta=10000.0,
                                                                            factor=2.0)), legacy=True, shard=True),
     Case("mistral-window", "MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                                  sliding_window=8)),
     Case("qwen2-bias-tied", "Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2,
-                                                tie_word_embeddings=True)),
+                                                tie_word_embeddings=True), tokenizer="qwen2"),
     Case("qwen3-headdim128", "Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-                                                 tie_word_embeddings=True)),
+                                                 tie_word_embeddings=True), tokenizer="qwen2"),
     Case("qwen3-legacy-untied", "Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16),
-         legacy=True),
+         legacy=True, tokenizer="qwen2"),
     Case("phi3-fused-window", "Phi3Config", dict(num_attention_heads=4, num_key_value_heads=4, sliding_window=8,
                                                  pad_token_id=0)),
     Case("phi3-partial-rotary-gqa", "Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
@@ -82,11 +84,11 @@ def to_legacy(cfg: dict) -> dict:
     return cfg
 
 
-def make_checkpoint(case: Case, folder: Path) -> Path:
+def make_checkpoint(case: Case, folder: Path, **overrides) -> Path:
     import torch
     import transformers
 
-    config = getattr(transformers, case.config_class)(**{**SMALL, **case.kwargs})
+    config = getattr(transformers, case.config_class)(**{**SMALL, **case.kwargs, **overrides})
     torch.manual_seed(zlib.crc32(case.id.encode()))
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # random init is tiny; widen it so logits differ visibly between tokens
@@ -104,6 +106,20 @@ def make_checkpoint(case: Case, folder: Path) -> Path:
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("checkpoints")
     return {c.id: make_checkpoint(c, root / c.id) for c in CASES}
+
+
+@pytest.fixture(scope="session")
+def tokenized_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Every case again with a trained tokenizer (and a vocabulary big enough for byte fallback)."""
+    from tokenizer_fixtures import write_tokenizer
+
+    root = tmp_path_factory.mktemp("tokenized")
+    out = {}
+    for c in CASES:
+        folder = make_checkpoint(c, root / c.id, vocab_size=TOKENIZED_VOCAB)
+        write_tokenizer(folder, c.tokenizer, TOKENIZED_VOCAB)
+        out[c.id] = folder
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.markup import escape
@@ -15,6 +15,24 @@ export_app = typer.Typer(help="Export a model for another runtime.", no_args_is_
 OutArg = Annotated[Path, typer.Argument(help="Folder to create (refused if it exists, unless --force).",
                                         show_default=False)]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace OUT if it exists.")]
+NoCheckOpt = Annotated[bool, typer.Option("--no-check", help="Skip the round trip through the consumer.")]
+GGUF_DTYPES = ("auto", "f32", "f16", "bf16", "q8_0")
+CHECKERS = ("llama.cpp", "transformers")
+
+
+def _gguf_dtype(value: str) -> str:
+    from linnet_core.export.gguf_export import _ALIASES
+
+    canonical = _ALIASES.get(value.lower(), value.lower())
+    if canonical not in GGUF_DTYPES:
+        raise typer.BadParameter(f"'{value}' is not one of {', '.join(GGUF_DTYPES)}")
+    return canonical
+
+
+def _checker(value: str | None) -> str | None:
+    if value is not None and value not in CHECKERS:
+        raise typer.BadParameter(f"'{value}' is not one of {', '.join(CHECKERS)}")
+    return value
 
 
 def _size(n: int) -> str:
@@ -25,10 +43,15 @@ def _size(n: int) -> str:
 
 
 def _report(sink: Sink, result, extra: dict) -> None:
-    lines = [escape(str(result.out))] + [f"  {name:<28} {_size(size):>10}" for name, size in result.files.items()]
+    lines = [escape(str(result.out))] + [f"  {escape(name):<34} {_size(size):>10}" for name, size in result.files.items()]
     lines.append(f"[dim]{len(result.files)} files · {_size(result.total_bytes)} · {result.seconds:.1f} s[/]")
+    if result.check is not None:
+        lines.append(escape(result.check.describe()))
+    lines += [f"[yellow]note:[/] {escape(n)}" for n in result.notes]
+    check = result.check.to_json() if result.check is not None else None
     sink.data("\n".join(lines), {"out": str(result.out), "files": result.files, "bytes": result.total_bytes,
-                                 "seconds": round(result.seconds, 3), **extra})
+                                 "seconds": round(result.seconds, 3), "check": check, "notes": result.notes,
+                                 **extra})
 
 
 @export_app.command("onnx")
@@ -52,3 +75,57 @@ def export_onnx_command(
     sink.info(f"exporting {model} to ONNX ({dtype})...")
     result = export_onnx(model, out, dtype, cache_len, force, revision)
     _report(sink, result, {"format": "onnx", "dtype": dtype})
+
+
+@export_app.command("hf")
+@handle_errors
+def export_hf_command(
+    model: ModelArg,
+    out: OutArg,
+    dtype: DtypeOpt = "auto",
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest safetensors shard (5GB, 500MB, ...).")] = "5GB",
+    no_check: NoCheckOpt = False,
+    force: ForceOpt = False,
+    revision: RevisionOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """A Hugging Face checkpoint for vLLM, SGLang, TGI and transformers: sharded safetensors with
+    their index, config.json in both config styles, generation_config.json, tokenizer and chat
+    template. Unless --no-check, transformers loads it back and its logits are compared with the
+    source's before OUT appears."""
+    from linnet_core.export.hf_export import export_hf
+
+    sink = Sink(json, quiet)
+    sink.info(f"exporting {model} as a Hugging Face checkpoint ({dtype})...")
+    result = export_hf(model, out, dtype, force, revision, max_shard_size, check=not no_check)
+    _report(sink, result, {"format": "hf", "dtype": dtype})
+
+
+@export_app.command("gguf")
+@handle_errors
+def export_gguf_command(
+    model: ModelArg,
+    out: Annotated[Path, typer.Argument(help="The .gguf file to create (refused if it exists, unless --force).",
+                                        show_default=False)],
+    dtype: Annotated[str, typer.Option("--dtype", "-d", callback=_gguf_dtype, metavar="[auto|f32|f16|bf16|q8_0]",
+                                       help="Weight type; auto = the checkpoint's; q8_0 by the gguf package's "
+                                            "quantizer.")] = "auto",
+    check_with: Annotated[Optional[str], typer.Option(
+        "--check-with", callback=_checker, metavar="[llama.cpp|transformers]",
+        help="Engine for the round trip (default: llama.cpp if installed, else transformers).")] = None,
+    no_check: NoCheckOpt = False,
+    force: ForceOpt = False,
+    revision: RevisionOpt = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """One GGUF file for llama.cpp: its architecture keys and tensor layout, the vocabulary, merges,
+    special tokens and chat template. Unless --no-check, llama.cpp (or transformers) loads it back
+    and its logits are compared with the source's before OUT appears."""
+    from linnet_core.export.gguf_export import export_gguf
+
+    sink = Sink(json, quiet)
+    sink.info(f"exporting {model} as GGUF ({dtype})...")
+    result = export_gguf(model, out, dtype, force, revision, check=not no_check, consumer=check_with)
+    _report(sink, result, {"format": "gguf", "dtype": dtype})

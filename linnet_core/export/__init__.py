@@ -6,10 +6,10 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from ..errors import InputError
 
@@ -23,10 +23,34 @@ class ExportResult:
     out: Path
     files: dict[str, int] = field(default_factory=dict)  # name -> bytes
     seconds: float = 0.0
+    check: object = None  # the round-trip report, when the export checked itself
+    notes: list[str] = field(default_factory=list)  # what a user of the export should know
 
     @property
     def total_bytes(self) -> int:
         return sum(self.files.values())
+
+
+def _refuse_existing(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise InputError(f"{out} already exists", hint="pass --force to replace it")
+    if not out.parent.is_dir():
+        raise InputError(f"{out.parent} is not a folder")
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename `tmp` to `out`; an existing `out` is moved aside first and removed only afterwards."""
+    if out.exists():
+        old = out.parent / f".{out.name}.linnet-old-{uuid.uuid4().hex[:8]}"
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+    else:
+        os.rename(tmp, out)
+
+
+def _discard(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
 
 
 @contextmanager
@@ -36,23 +60,30 @@ def output_folder(out: Path, force: bool = False) -> Iterator[Path]:
     An existing `out` is refused unless `force`; a failure or Ctrl-C leaves no half-written folder.
     """
     out = Path(out)
-    if out.exists() and not force:
-        raise InputError(f"{out} already exists", hint="pass --force to replace it")
-    if not out.parent.is_dir():
-        raise InputError(f"{out.parent} is not a folder")
+    _refuse_existing(out, force)
     tmp = out.parent / f".{out.name}.linnet-tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         yield tmp
-        if out.exists():
-            old = out.parent / f".{out.name}.linnet-old-{uuid.uuid4().hex[:8]}"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
-        else:
-            os.rename(tmp, out)
+        _move_into_place(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _discard(tmp)
+        raise
+
+
+@contextmanager
+def output_file(out: Path, force: bool = False) -> Iterator[Path]:
+    """`output_folder` for a single file: a temporary name beside `out`, renamed when complete."""
+    out = Path(out)
+    _refuse_existing(out, force)
+    if out.is_dir():
+        raise InputError(f"{out} is a folder; give the name of the file to write")
+    tmp = out.parent / f".{out.name}.linnet-tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        yield tmp
+        _move_into_place(tmp, out)
+    except BaseException:
+        _discard(tmp)
         raise
 
 
@@ -63,5 +94,6 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
 
 
 def summarize(out: Path, started: float) -> ExportResult:
-    files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
+    paths = sorted(out.iterdir()) if out.is_dir() else [out]
+    files = {p.name: p.stat().st_size for p in paths if p.is_file()}
     return ExportResult(out, files, time.perf_counter() - started)

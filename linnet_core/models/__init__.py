@@ -1,7 +1,8 @@
 """Architecture families, one module each, named after Hugging Face `model_type`.
 
-Adding a family is one module with `MODEL_TYPE`, `ALIASES`, `parse_config`, `weight_names` and
-`build_graph`, and one line in FAMILIES; variants are aliases, never copied files.
+Adding a family is one module with `MODEL_TYPE`, `ALIASES`, `HF_ARCHITECTURES` (the class names
+exports write), `GGUF` (llama.cpp's layout), `parse_config`, `weight_names` and `build_graph`, and
+one line in FAMILIES; variants are aliases, never copied files.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from types import ModuleType
 
 from ..errors import CheckpointError, UnsupportedModel
 from . import llama, phi3, qwen2, qwen3
+from .decoder import GgufLayout
 from .spec import ModelSpec
 
 FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (llama, qwen2, qwen3, phi3)}
@@ -62,4 +64,18 @@ def build_graph(spec: ModelSpec):
     return family(spec.model_type).build_graph(spec)
 
 
-__all__ = ["FAMILIES", "MODEL_TYPES", "ModelSpec", "build_graph", "family", "load_spec", "spec_from_config"]
+def hf_architecture(spec: ModelSpec) -> str:
+    """The transformers class name an exported config.json declares."""
+    return family(spec.model_type).HF_ARCHITECTURES[spec.model_type]
+
+
+def gguf_layout(spec: ModelSpec) -> GgufLayout:
+    return family(spec.model_type).GGUF
+
+
+def weight_names(spec: ModelSpec) -> dict[str, str]:
+    """IR roles to the family's canonical Hugging Face tensor names (`{i}` for the layer)."""
+    return family(spec.model_type).weight_names(spec)
+
+
+__all__ = ["FAMILIES", "MODEL_TYPES", "ModelSpec", "GgufLayout", "build_graph", "family", "gguf_layout", "hf_architecture", "load_spec", "spec_from_config", "weight_names"]

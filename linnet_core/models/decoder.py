@@ -7,10 +7,26 @@ where checkpoints differ (a fused `attn_qkv` or separate q/k/v; q/k norms; biase
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
 from ..ir.graph import CacheLayout, Graph, GraphBuilder, LayerAttr
 from .spec import ModelSpec
+
+@dataclass(frozen=True)
+class GgufLayout:
+    """How llama.cpp names and lays out a family: its architecture key, and what differs from the IR.
+
+    `rope_interleaved`: llama.cpp rotates adjacent pairs where the checkpoint rotates halves, so
+    q/k rows are permuted on the way out. `renames` maps IR roles to llama.cpp's where they differ.
+    `name_needs_tokens`: a `general.name` containing one of these words makes llama.cpp demand
+    the listed special tokens, so the name is left out when the vocabulary lacks them.
+    """
+
+    arch: str
+    rope_interleaved: bool = False
+    renames: dict[str, str] = field(default_factory=dict)
+    name_needs_tokens: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+
 
 GLOBAL_ROLES = ("token_embd.weight", "output_norm.weight", "output.weight")
 BLOCK_ROLES = (

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from .decoder import build_decoder, hf_llama_style_names
+from .decoder import GgufLayout, build_decoder, hf_llama_style_names
 from .spec import ModelSpec, common_spec
 
 MODEL_TYPE = "llama"
 ALIASES = ("mistral",)
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+# HF checkpoints rotate halves; llama.cpp's llama rotates adjacent pairs.
+GGUF = GgufLayout("llama", rope_interleaved=True)
 
 
 def parse_config(cfg: dict, model_type: str) -> ModelSpec:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from .decoder import build_decoder, hf_llama_style_names
+from .decoder import GgufLayout, build_decoder, hf_llama_style_names
 from .spec import ModelSpec, common_spec
 
 MODEL_TYPE = "phi3"
 ALIASES = ()
+HF_ARCHITECTURES = {"phi3": "Phi3ForCausalLM"}
+# llama.cpp keeps Phi-3's fused gate/up matrix under the name of the up projection.
+GGUF = GgufLayout("phi3", renames={"ffn_gate_up": "ffn_up"},
+                  name_needs_tokens=(("phi3", "phi-3"), ("<|end|>",)))
 
 
 def parse_config(cfg: dict, model_type: str) -> ModelSpec:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from .decoder import build_decoder, hf_llama_style_names
+from .decoder import GgufLayout, build_decoder, hf_llama_style_names
 from .spec import ModelSpec, common_spec
 
 MODEL_TYPE = "qwen2"
 ALIASES = ()
+HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM"}
+GGUF = GgufLayout("qwen2")
 
 
 def _windows(cfg: dict, layers: int) -> tuple[int | None, ...]:

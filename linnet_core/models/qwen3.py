@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from .decoder import build_decoder, hf_llama_style_names
+from .decoder import GgufLayout, build_decoder, hf_llama_style_names
 from .qwen2 import _windows
 from .spec import ModelSpec, common_spec
 
 MODEL_TYPE = "qwen3"
 ALIASES = ()
+HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM"}
+GGUF = GgufLayout("qwen3")
 
 
 def parse_config(cfg: dict, model_type: str) -> ModelSpec:

@@ -1,0 +1,234 @@
+"""`linnet export gguf`: one GGUF file for llama.cpp, written from the IR's params.
+
+The IR already names weights by llama.cpp's tensor roles (`blk.{i}.attn_q.weight`); a family's
+`GgufLayout` says what else differs (its architecture key, renamed roles, q/k rows permuted for
+llama.cpp's interleaved rope). Tensors are converted and written one at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..compile import Model, open_model
+from ..errors import BackendUnavailable, InputError
+from ..ir.rope import inv_freq
+from ..models import GgufLayout, build_graph, gguf_layout
+from ..models.spec import ModelSpec
+from ..params import materialize
+from ..tokenizer import read_chat_template
+from ..weights import Checkpoint
+from . import ExportResult, output_file, summarize
+from .gguf_vocab import GgufVocab, read_vocab
+
+GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
+_ALIASES = {"float32": "f32", "fp32": "f32", "float16": "f16", "fp16": "f16", "half": "f16", "bfloat16": "bf16",
+            "q8": "q8_0"}
+_FROM_CHECKPOINT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def require_gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise BackendUnavailable("writing GGUF needs the gguf package", hint="pip install 'linnet[gguf]'") from None
+    return gguf
+
+
+def pick_gguf_dtype(dtype: str, spec: ModelSpec) -> str:
+    if dtype == "auto":
+        return _FROM_CHECKPOINT[spec.dtype]
+    d = _ALIASES.get(dtype.lower(), dtype.lower())
+    if d not in GGUF_DTYPES:
+        raise InputError(f"unknown GGUF dtype '{dtype}' (choose from: auto, {', '.join(GGUF_DTYPES)})")
+    return d
+
+
+def permute_for_interleaved_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows [heads * head_dim, ...] from rotate-half order to llama.cpp's adjacent pairs, per head."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def rope_freq_factors(spec: ModelSpec) -> np.ndarray:
+    """llama3 scaling as llama.cpp takes it: per-frequency divisors of the unscaled rope [rotary_dim / 2]."""
+    rope = asdict(spec.rope)
+    base = inv_freq({**rope, "type": "default"}, spec.rotary_dim)
+    scaled = inv_freq(rope, spec.rotary_dim)
+    return np.array([b / s for b, s in zip(base, scaled, strict=True)], dtype=np.float32)
+
+
+@dataclass
+class _Tensor:
+    """One GGUF tensor: its name and ggml type, how the writer declares it, and a function that
+    makes its data when it is written (bf16 and q8_0 as raw bytes)."""
+
+    name: str
+    qtype: object
+    declared_shape: tuple[int, ...]  # in elements, or in bytes for raw types
+    declared_dtype: np.dtype
+    nbytes: int
+    raw: bool
+    make: Callable[[], np.ndarray]
+
+
+def _plan(spec: ModelSpec, layout: GgufLayout, ckpt: Checkpoint, dtype: str, gguf) -> list[_Tensor]:
+    Q = gguf.GGMLQuantizationType
+    graph = build_graph(spec)  # unfused: one param per checkpoint tensor, named by llama.cpp role
+    plan: list[_Tensor] = []
+    for full, p, layer in graph.all_params():
+        if full == "output.weight" and spec.tie_word_embeddings:
+            continue  # llama.cpp uses token_embd for a missing output head
+        role = full.split(".", 2)[-1] if layer is not None else full
+        base, _, suffix = role.rpartition(".")
+        gname = f"blk.{layer}.{layout.renames.get(base, base)}.{suffix}" if layer is not None else full
+        heads = spec.num_heads if base == "attn_q" else spec.num_kv_heads if base == "attn_k" else None
+        permute = layout.rope_interleaved and heads is not None
+
+        def weight(p=p, layer=layer, heads=heads, permute=permute) -> torch.Tensor:
+            w = materialize(p, layer, ckpt, torch.float32)
+            return permute_for_interleaved_rope(w, heads) if permute else w
+
+        qtype = Q.F32 if len(p.shape) == 1 else {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[dtype]
+        if qtype == Q.Q8_0 and p.shape[-1] % 32:
+            qtype = Q.F16  # rows that are not whole Q8_0 blocks stay f16, as llama.cpp's converter does
+        plan.append(_tensor(gname, p.shape, qtype, weight, gguf))
+    if spec.rope.type == "llama3":
+        factors = rope_freq_factors(spec)
+        plan.append(_tensor("rope_freqs.weight", factors.shape, Q.F32, lambda: torch.from_numpy(factors), gguf))
+    return plan
+
+
+def _tensor(name: str, shape: tuple[int, ...], qtype, weight: Callable[[], torch.Tensor], gguf) -> _Tensor:
+    Q = gguf.GGMLQuantizationType
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    nbytes = int(np.prod(shape)) // block * block_bytes
+    raw = qtype in (Q.BF16, Q.Q8_0)
+
+    def make() -> np.ndarray:
+        w = weight()
+        if qtype == Q.F32:
+            return w.float().numpy()
+        if qtype == Q.F16:
+            return w.half().numpy()
+        if qtype == Q.BF16:  # torch rounds to nearest even, as ggml does
+            return w.bfloat16().view(torch.uint8).numpy()
+        return gguf.quants.quantize(w.float().numpy(), qtype)
+
+    if raw:
+        return _Tensor(name, qtype, gguf.quants.quant_shape_to_byte_shape(shape, qtype), np.dtype(np.uint8), nbytes,
+                       True, make)
+    return _Tensor(name, qtype, tuple(shape), np.dtype(np.float32 if qtype == Q.F32 else np.float16), nbytes, False,
+                   make)
+
+
+def gguf_context_length(spec: ModelSpec) -> int:
+    """The context a GGUF declares. llama.cpp attends over the whole context where a checkpoint
+    slides a window, so the two agree only up to the smallest window: that is the context declared."""
+    windows = [x for x in spec.layer_windows if x]
+    return min([spec.max_position_embeddings] + windows)
+
+
+def _metadata(w, spec: ModelSpec, layout: GgufLayout, vocab: GgufVocab, dtype: str, name: str, gguf) -> None:
+    w.add_context_length(gguf_context_length(spec))
+    w.add_embedding_length(spec.hidden_size)
+    w.add_block_count(spec.num_layers)
+    w.add_feed_forward_length(spec.intermediate_size)
+    w.add_head_count(spec.num_heads)
+    w.add_head_count_kv(spec.num_kv_heads)
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
+    w.add_rope_dimension_count(spec.rotary_dim)
+    w.add_rope_freq_base(spec.rope.theta)
+    w.add_layer_norm_rms_eps(spec.rms_norm_eps)
+    w.add_vocab_size(spec.vocab_size)
+    if spec.rope.type == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(spec.rope.factor)
+    w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                     "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    words, needed = layout.name_needs_tokens
+    if not any(word in name.lower() for word in words) or all(t in vocab.tokens for t in needed):
+        w.add_name(name)
+
+
+def _vocab(w, folder: Path, vocab: GgufVocab, gguf) -> None:
+    w.add_tokenizer_model(vocab.model)
+    if vocab.pre:
+        w.add_tokenizer_pre(vocab.pre)
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.types)
+    if vocab.scores is not None:
+        w.add_token_scores(vocab.scores)
+    if vocab.add_space_prefix is not None:
+        w.add_add_space_prefix(vocab.add_space_prefix)
+    special = gguf.SpecialVocab(folder, load_merges=vocab.model == "gpt2", n_vocab=len(vocab.tokens))
+    special.chat_template = None  # written below from the files Linnet itself reads templates from
+    special.add_to_gguf(w, quiet=True)
+    template = read_chat_template(folder)
+    if template:
+        w.add_chat_template(template)
+
+
+def write_gguf(model: Model, path: Path, dtype: str, progress: Callable[[str], None] | None = None) -> None:
+    gguf = require_gguf()
+    import logging
+
+    logging.getLogger("gguf").setLevel(logging.WARNING)  # the writer logs every step at INFO
+    spec = model.spec
+    layout = gguf_layout(spec)
+    vocab = read_vocab(model.path, spec.vocab_size)
+    plan = _plan(spec, layout, Checkpoint(model.files), dtype, gguf)
+    w = gguf.GGUFWriter(None, layout.arch)
+    _metadata(w, spec, layout, vocab, dtype, model.resolved.name.rstrip("/").split("/")[-1], gguf)
+    _vocab(w, model.path, vocab, gguf)
+    for t in plan:
+        w.add_tensor_info(t.name, t.declared_shape, t.declared_dtype, t.nbytes, raw_dtype=t.qtype if t.raw else None)
+    w.write_header_to_file(path)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    try:
+        for k, t in enumerate(plan, 1):
+            w.write_tensor_data(t.make())
+            if progress and k % 32 == 0:
+                progress(f"{k}/{len(plan)} tensors")
+        w.flush()
+    finally:
+        w.close()
+
+
+def export_gguf(model: str | Path | Model | None, out: Path, dtype: str = "auto", force: bool = False,
+                revision: str | None = None, check: bool = True, consumer: str | None = None,
+                on_check=None) -> ExportResult:
+    """Write `out` (one .gguf file); with `check`, load it back in llama.cpp (or transformers)
+    before it appears under its name. A failed check leaves nothing at `out`."""
+    from .gguf_read import read_gguf
+    from .roundtrip import check_gguf, require_gguf_consumer
+
+    started = time.perf_counter()
+    m = model if isinstance(model, Model) else open_model(model, revision)
+    dt = pick_gguf_dtype(dtype, m.spec)
+    require_gguf()
+    if check:
+        require_gguf_consumer(m.spec, consumer)
+    report = None
+    with output_file(Path(out), force) as tmp:
+        write_gguf(m, tmp, dt)
+        read_gguf(tmp).close()  # Linnet's own reader must accept what it wrote
+        if check:
+            report = check_gguf(m, tmp, dt, consumer)
+            if on_check:
+                on_check(report)
+            report.raise_if_failed(Path(out))
+    result = summarize(Path(out), started)
+    result.check = report
+    if gguf_context_length(m.spec) < m.spec.max_position_embeddings:
+        result.notes.append(f"context_length is {gguf_context_length(m.spec)}, the model's sliding window: "
+                            "llama.cpp attends over the whole context, so it agrees with the checkpoint only that far")
+    return result
+
