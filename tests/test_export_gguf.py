@@ -212,3 +212,21 @@ def test_rope_freq_factors_match_the_ir_rope(tokenized_checkpoints):
     factors = gguf_export.rope_freq_factors(spec)
     assert factors.min() == pytest.approx(1.0) and factors.max() == pytest.approx(spec.rope.factor)
     assert torch.all(torch.from_numpy(np.diff(factors)) >= 0)  # low frequencies are scaled the most
+
+
+def test_a_pad_id_is_written_when_the_checkpoint_has_none(tokenized_checkpoints, tmp_path):
+    """transformers' GGUF loader otherwise takes its config class's default pad id (Phi-3: 32000),
+    outside a smaller vocabulary, and the embedding cannot be built."""
+    import shutil
+
+    src = tmp_path / "phi3"
+    shutil.copytree(tokenized_checkpoints["phi3-fused-window"], src)
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((src / name).read_text())
+        cfg.pop("pad_token_id", None)
+        (src / name).write_text(json.dumps(cfg))
+    with read_gguf(export_gguf(src, tmp_path / "m.gguf", check=False).out) as g:
+        assert g.metadata["tokenizer.ggml.padding_token_id"] == g.metadata["tokenizer.ggml.eos_token_id"] == 2
+    # The source itself is what transformers cannot load here: one line, not a traceback.
+    assert_one_line_error(invoke("export", "gguf", src, tmp_path / "n.gguf", "--check-with", "transformers"), 1,
+                          "cannot load")

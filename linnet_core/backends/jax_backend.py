@@ -54,6 +54,15 @@ def use_compilation_cache(folder: Path) -> None:
         jax.config.update("jax_include_full_tracebacks_in_locations", False)
 
 
+def release_compilation_cache() -> None:
+    """Stop JAX writing to the folder set by `use_compilation_cache` (until it is set again)."""
+    jax = import_jax()
+    from jax.experimental.compilation_cache import compilation_cache
+
+    compilation_cache.reset_cache()
+    jax.config.update("jax_compilation_cache_dir", None)
+
+
 def bucket(n: int, lowest: int, highest: int) -> int:
     """The power of two at or above n (at least `lowest`), capped at `highest` when n fits under it."""
     size = max(lowest, 1 << (n - 1).bit_length())
@@ -150,6 +159,7 @@ class JaxBackend(XlaBackend):
         write_prepared_weights(out / "weights.safetensors", graph, ckpt, dtype)
         write_artifact_info(out, graph, dtype, cache_len)
         warm_up(self.load(out, rows=1))
+        release_compilation_cache()  # `out` is about to be renamed: JAX must not keep writing there
 
     def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
         use_compilation_cache(artifact / "xla_cache")

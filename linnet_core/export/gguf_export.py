@@ -169,6 +169,11 @@ def _vocab(w, folder: Path, vocab: GgufVocab, gguf) -> None:
         w.add_add_space_prefix(vocab.add_space_prefix)
     special = gguf.SpecialVocab(folder, load_merges=vocab.model == "gpt2", n_vocab=len(vocab.tokens))
     special.chat_template = None  # written below from the files Linnet itself reads templates from
+    ids = special.special_token_ids
+    if "pad" not in ids and ("eos" in ids or "unk" in ids):
+        # Without one, transformers' GGUF loader falls back to its config class's default pad id,
+        # which can lie outside a smaller vocabulary (Phi-3's 32000) and break the embedding.
+        ids["pad"] = ids.get("eos", ids.get("unk"))
     special.add_to_gguf(w, quiet=True)
     template = read_chat_template(folder)
     if template:

@@ -158,7 +158,11 @@ def check_gguf(model: Model, file: Path, dtype: str, consumer: str | None = None
         logits, match = _run_llamacpp(model, file, ids, ref.tokens[:steps])
         name = f"llama.cpp (llama-cpp-python {_version('llama-cpp-python')})"
     else:
-        got = run_reference(_load_transformers_gguf(file), ids, steps, feed=ref.tokens)
+        try:
+            loaded = _load_transformers_gguf(file)
+        except Exception as e:  # noqa: BLE001 - its loader raises many types; all mean "cannot load"
+            raise ExportCheckFailed(f"transformers cannot load the export: {str(e).splitlines()[0]}") from None
+        got = run_reference(loaded, ids, steps, feed=ref.tokens)
         logits = got.logits
         match = _hf_tokenizers_match(model.path, file.parent, gguf_file=file.name)
         name = f"transformers {_version('transformers')} (gguf_file=)"
