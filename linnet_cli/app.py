@@ -8,6 +8,7 @@ import typer
 
 from linnet_core import __version__
 
+from .commands.bench import bench_command
 from .commands.compile import compile_command
 from .commands.export import export_app
 from .commands.run import run_command
@@ -41,6 +42,7 @@ app.command("compile")(compile_command)
 app.command("run")(run_command)
 app.command("verify")(verify_command)
 app.add_typer(export_app, name="export")
+app.command("bench")(bench_command)
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ from . import DTYPES
 class Backend(ABC):
     name: str  # the CLI's --backend value
     title: str  # how pages and tables name it
+    stack: str  # the ecosystem it runs in, as bench pages group rows: PyTorch, JAX, ONNX Runtime and TensorRT
     dtypes: tuple[str, ...] = DTYPES
 
     @abstractmethod

@@ -137,6 +137,7 @@ class JaxSession(XlaSession):
 class XlaBackend(Backend):
     """What the two XLA backends share: JAX as the toolchain (its version and platform key the cache)."""
 
+    stack = "JAX"
     artifact_format = "1"
 
     def toolchain(self) -> dict[str, str]:

@@ -112,6 +112,7 @@ class OrtSession(Session):
 
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
+    stack = "ONNX Runtime and TensorRT"
     title = "ONNX Runtime"
     artifact_format = "1"
 

@@ -103,6 +103,7 @@ class TorchSession(Session):
 
 
 class TorchBackend(Backend):
+    stack = "PyTorch"
     name = "torch"
     title = "generated PyTorch"
 

@@ -1,0 +1,129 @@
+"""linnet bench: every backend available here and the stacks they replace, side by side."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..options import DtypeOpt, JsonOpt, OptionalModelArg, QuietOpt
+from ..output import EXIT_INTERRUPTED, Sink, handle_errors
+
+
+def _names(values: list[str] | None, every: tuple[str, ...], default: str) -> list[str]:
+    """`all`, `none`, or names, each value possibly comma-separated."""
+    flat = [v.strip() for value in (values or [default]) for v in value.split(",") if v.strip()]
+    if flat == ["all"]:
+        return list(every)
+    if flat == ["none"]:
+        return []
+    return list(dict.fromkeys(flat))
+
+
+@handle_errors
+def bench_command(
+    model: OptionalModelArg = None,
+    backend: Annotated[Optional[list[str]], typer.Option(
+        "--backend", "-b", help="Linnet backends: all (default), or names, repeated or comma-separated.")] = None,
+    compare: Annotated[Optional[list[str]], typer.Option(
+        "--compare", help="Comparators: all (default), none, or transformers-compiled, llama.cpp, vllm, "
+                          "sglang (transformers eager, the reference, always runs).")] = None,
+    dtype: DtypeOpt = "auto",
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt length (random token ids).")] = 512,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", help="Tokens generated per run.")] = 128,
+    batch: Annotated[int, typer.Option("--batch", help="Sequences decoded together.")] = 1,
+    runs: Annotated[int, typer.Option("--runs", help="Timed runs per side (the median is reported).")] = 10,
+    warmups: Annotated[int, typer.Option("--warmups", help="Untimed runs first.")] = 3,
+    cache_len: Annotated[Optional[int], typer.Option("--cache-len", help="KV positions (default: prompt + new).")] = None,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    html: Annotated[Optional[Path], typer.Option("--html", help="Write the page (one self-contained HTML file).",
+                                                 show_default=False)] = None,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the table as Markdown.")] = False,
+    workdir: Annotated[Optional[Path], typer.Option("--workdir", help="Keep exports and worker logs here.",
+                                                    show_default=False)] = None,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Time to first token, decode speed, load time, peak memory and distance from reference for
+    each Linnet backend and each comparator installed here, in one run with the runs interleaved;
+    speed-ups against transformers from the same run, and the decode roofline."""
+    from linnet_core.backends import BACKEND_NAMES
+    from linnet_core.bench.run import bench
+    from linnet_core.bench.subjects import COMPARATORS, Method, pick
+    from linnet_core.errors import InputError
+
+    sink = Sink(json, quiet)
+    if device not in ("auto", "cpu", "cuda"):
+        raise InputError(f"unknown device '{device}' (choose from: auto, cpu, cuda)")
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    method = Method(prompt_tokens, new_tokens, batch, runs, warmups, dtype, cache_len)
+    subjects = pick(_names(backend, BACKEND_NAMES, "all"), _names(compare, tuple(COMPARATORS), "all"))
+    reporter = _progress(sink)
+    try:
+        result = bench(model, method, subjects, device, workdir, reporter)
+    finally:
+        reporter.close()
+    if html is not None:
+        from linnet_core.bench.page import render
+
+        command = "linnet " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        html.write_text(render(result, command), encoding="utf-8")
+        sink.info(f"wrote {html}")
+    if json:
+        sink.data("", result.to_json())
+    elif markdown:
+        from linnet_core.bench.report import markdown as to_markdown
+
+        sys.stdout.write(to_markdown(result))  # as is: no Rich markup in Markdown
+    elif not quiet:
+        from rich.console import Console
+
+        from linnet_core.bench.report import rich_table
+
+        # Piped (a CI log), Rich would squeeze the table into 80 columns: give it room instead.
+        wide = Console(file=sys.stdout, no_color=sink.out.no_color, highlight=False,
+                       width=None if sys.stdout.isatty() else 200)
+        wide.print(rich_table(result))
+    if result.interrupted:
+        sink.info("interrupted: the table holds what was measured before Ctrl-C")
+        raise typer.Exit(EXIT_INTERRUPTED)
+
+
+class _progress:
+    """Stages as lines and the runs as a bar, on stderr; nothing with --json or --quiet."""
+
+    def __init__(self, sink: Sink):
+        self.sink, self.bar, self.task = sink, None, None
+        self.quiet = sink.quiet or sink.json_mode
+
+    def stage(self, text: str) -> None:
+        if self.bar is not None and self.task is not None:
+            self.bar.update(self.task, description=text)
+        else:
+            self.sink.info(f"[dim]{text}...[/]")
+
+    def total(self, n: int) -> None:
+        if self.quiet or n == 0:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            console=self.sink.err, transient=True)
+        self.bar.start()
+        self.task = self.bar.add_task("runs", total=n)
+
+    def advance(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, description=text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+

@@ -1,0 +1,101 @@
+"""The machine under the numbers: its memory bandwidth (for the decode roofline) and its environment."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import time
+from pathlib import Path
+
+from ..models.spec import ModelSpec
+
+VERSIONED = ("linnet", "torch", "transformers", "jax", "onnxruntime", "onnxruntime-gpu", "tensorrt",
+             "llama-cpp-python", "gguf", "vllm", "sglang")
+
+
+def stream_bandwidth(device: str, mib: int = 1024, repeats: int = 8) -> float:
+    """Bytes/s the device reads from its memory: a reduction over a buffer far larger than any cache
+    (on a GPU, a device-to-device copy, counted as read + write). Best of `repeats`."""
+    import torch
+
+    a = torch.rand(mib * 1024 * 1024 // 4, device=device)
+    b = torch.empty_like(a) if device == "cuda" else None
+
+    def once() -> float:
+        t = time.perf_counter()
+        if device == "cuda":
+            b.copy_(a)
+            torch.cuda.synchronize()
+        else:
+            a.sum()
+        return time.perf_counter() - t
+
+    once()
+    best = min(once() for _ in range(repeats))
+    return a.nbytes * (2 if device == "cuda" else 1) / best
+
+
+def decode_bytes_per_step(spec: ModelSpec, dtype_bytes: int, mean_position: float, batch: int) -> float:
+    """Bytes one decode step must read: every weight except the embedding table (a gather reads one
+    row; a tied head is read in full as the output projection), and each row's KV cache so far."""
+    from ..models import build_graph
+
+    weights = 0
+    for full, p, _ in build_graph(spec).all_params():
+        if full != "token_embd.weight":
+            n = 1
+            for d in p.shape:
+                n *= d
+            weights += n * dtype_bytes
+    kv = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * dtype_bytes * mean_position * batch
+    return weights + kv
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: str) -> dict:
+    import torch
+
+    env = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "python": platform.python_version(),
+        "cpu": cpu_name(),
+        "threads": torch.get_num_threads(),
+        "device": device,
+        "versions": {},
+    }
+    for dist in VERSIONED:
+        try:
+            env["versions"][dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            env["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        except Exception:  # noqa: BLE001 - no NVML bindings: the driver is left out
+            pass
+    return env
+
+
+def describe(env: dict) -> str:
+    """One line: the hardware, then the versions that matter."""
+    where = env.get("gpu") or f"{env['cpu']}, {env['threads']} threads"
+    names = {"linnet": "Linnet", "torch": "PyTorch", "transformers": "transformers", "jax": "JAX",
+             "onnxruntime": "ONNX Runtime", "onnxruntime-gpu": "ONNX Runtime", "tensorrt": "TensorRT",
+             "llama-cpp-python": "llama-cpp-python", "vllm": "vLLM", "sglang": "SGLang"}
+    versions = ", ".join(f"{names[k]} {v}" for k, v in env["versions"].items() if k in names)
+    driver = f", driver {env['driver']}" if env.get("driver") else ""
+    return f"{where} · {versions}, Python {env['python']}{driver}"

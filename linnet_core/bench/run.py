@@ -1,0 +1,309 @@
+"""The bench itself: prepare every side, load each in its own worker, interleave the timed runs.
+
+Order of work: compile Linnet's artifacts and write the exports the comparators run on (timed,
+cold unless already cached); measure the memory bandwidth; start the workers one at a time (each
+load timed alone, from a cold process); warm-ups, then the timed rounds, each round visiting
+every side, in reverse order every other round; then each side's peak memory, and its logits on
+the first prompt against the reference's. Ctrl-C stops the rounds and keeps what was measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..compile import Model, compile_model, open_model, pick_dtype
+from ..errors import LinnetError
+from .machine import decode_bytes_per_step, environment, stream_bandwidth
+from .subjects import BASELINE, Method, Subject, why_missing
+
+LOAD_TIMEOUT_S = 3600.0  # a compiled comparator may compile for minutes while loading
+RUN_TIMEOUT_S = 1800.0
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass
+class Side:
+    subject: Subject
+    status: str = "ok"  # ok | missing | failed
+    reason: str | None = None
+    prepare_s: float | None = None  # Linnet: the cold compile (None when cached); comparators: the export
+    cached: bool | None = None
+    load_s: float | None = None
+    samples: list[dict] = field(default_factory=list)  # {"ttft_s", "decode_tok_s"} per timed run
+    memory: dict | None = None
+    distance: float | None = None
+    extra: dict = field(default_factory=dict)  # what its worker needs beyond the model (an export's path)
+    worker: object = field(default=None, repr=False)
+
+    def median(self, key: str) -> float | None:
+        values = [s[key] for s in self.samples]
+        return statistics.median(values) if values else None
+
+    def fail(self, reason: str) -> None:
+        self.status, self.reason = "failed", reason
+
+
+@dataclass
+class BenchResult:
+    model: str
+    spec: dict
+    dtype: str
+    method: Method
+    env: dict
+    bandwidth_bytes_s: float
+    bytes_per_step: float
+    sides: list[Side]
+    interrupted: bool = False
+    completed_runs: int = 0
+
+    def side(self, key: str) -> Side | None:
+        return next((s for s in self.sides if s.subject.key == key), None)
+
+    def rows(self) -> list[dict]:
+        """Every side's figures, the ratios against the reference from this same run, and the roofline."""
+        base = self.side(BASELINE)
+        base_tok = base.median("decode_tok_s") if base else None
+        base_ttft = base.median("ttft_s") if base else None
+        out = []
+        for s in self.sides:
+            tok, ttft = s.median("decode_tok_s"), s.median("ttft_s")
+            achieved = tok / self.method.batch * self.bytes_per_step if tok else None
+            out.append({
+                "key": s.subject.key, "label": s.subject.label, "stack": s.subject.stack,
+                "linnet": s.subject.is_linnet, "status": s.status, "reason": s.reason,
+                "ttft_ms": ttft * 1000 if ttft else None, "decode_tok_s": tok,
+                "load_s": s.load_s, "artifact_cached": s.cached, "prepare_s": s.prepare_s,
+                "peak_memory_bytes": (s.memory or {}).get("peak_bytes"),
+                "memory_source": (s.memory or {}).get("source"),
+                "distance": s.distance,
+                "decode_speedup": tok / base_tok if tok and base_tok else None,
+                "ttft_speedup": base_ttft / ttft if ttft and base_ttft else None,
+                "achieved_bytes_s": achieved,
+                "roofline": achieved / self.bandwidth_bytes_s if achieved else None,
+                "note": s.subject.note, "samples": s.samples,
+            })
+        return out
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "spec": self.spec, "dtype": self.dtype, "method": self.method.to_json(),
+                "environment": self.env, "bandwidth_bytes_s": self.bandwidth_bytes_s,
+                "decode_bytes_per_step": self.bytes_per_step, "interrupted": self.interrupted,
+                "completed_runs": self.completed_runs, "sides": self.rows()}
+
+
+class Reporter:
+    """What the bench tells a person while it works (the CLI draws it; tests pass this silent one)."""
+
+    def stage(self, text: str) -> None: ...
+    def total(self, n: int) -> None: ...
+    def advance(self, text: str) -> None: ...
+
+
+class Worker:
+    """A side in its own process, spoken to one JSON line at a time."""
+
+    def __init__(self, cfg: dict, log: Path):
+        self.log = log
+        self._log_file = open(log, "wb")
+        cfg = {**cfg, "spawned_at": time.time()}
+        # A session of its own: Ctrl-C reaches the parent only, which then stops the workers.
+        self.proc = subprocess.Popen([sys.executable, "-m", "linnet_core.bench.worker", json.dumps(cfg)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file,
+                                     text=True, start_new_session=True)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self.proc.stdout, selectors.EVENT_READ)
+
+    def read(self, timeout: float) -> dict:
+        if not self._sel.select(timeout):
+            self.close()
+            raise TimeoutError(f"no answer in {timeout:.0f} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the worker exited ({self.tail()})")
+        msg = json.loads(line)
+        if "error" in msg:
+            raise RuntimeError(msg["error"])
+        return msg
+
+    def ask(self, request: dict, timeout: float = RUN_TIMEOUT_S) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self.read(timeout)
+
+    def tail(self) -> str:
+        lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
+        return lines[-1][:300] if lines else f"exit code {self.proc.poll()}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired, ValueError):
+                self.proc.kill()
+                self.proc.wait()
+        self._sel.close()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:  # a pipe to a killed worker
+                pass
+        self._log_file.close()
+
+
+def _prepare(side: Side, m: Model, dtype: str, method: Method, workdir: Path, reporter: Reporter) -> dict:
+    """Whatever the side's worker needs beyond the model: a compiled artifact, or an export."""
+    s = side.subject
+    if s.is_linnet:
+        reporter.stage(f"compiling {s.label}")
+        c = compile_model(m, s.backend, dtype, method.positions)
+        side.cached = c.hit
+        side.prepare_s = None if c.hit else c.seconds
+        return {"backend": s.backend}
+    if s.key == "llama.cpp":
+        from ..export.gguf_export import export_gguf
+
+        reporter.stage("exporting GGUF for llama.cpp")
+        out = workdir / "model.gguf"
+        side.prepare_s = export_gguf(m, out, {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}[dtype],
+                                     force=True, check=False).seconds
+        return {"gguf": str(out)}
+    if s.key in ("vllm", "sglang"):
+        from ..export.hf_export import export_hf
+
+        out = workdir / "hf"
+        if not out.exists():
+            reporter.stage("exporting a Hugging Face checkpoint")
+            side.prepare_s = export_hf(m, out, dtype, check=False).seconds
+        return {"hf_dir": str(out)}
+    return {}
+
+
+def bench(model: str | Path | Model | None, method: Method, subjects: list[Subject], device: str = "cpu",
+          workdir: Path | None = None, reporter: Reporter | None = None,
+          on_sample: Callable[[Side], None] | None = None) -> BenchResult:
+    reporter = reporter or Reporter()
+    m = model if isinstance(model, Model) else open_model(model)
+    dtype = pick_dtype(method.dtype, m.spec)
+    own_workdir = workdir is None
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="linnet-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    sides = [Side(s) for s in subjects]
+    for side in sides:
+        why = why_missing(side.subject, dtype, method.batch)
+        if why:
+            side.status, side.reason = "missing", why
+    rng = np.random.default_rng(method.seed)
+    prompts = [rng.integers(0, m.spec.vocab_size, method.prompt_tokens).tolist() for _ in range(method.batch)]
+    result = BenchResult(str(m.resolved.name), m.spec.to_json(), dtype, method, environment(device), 0.0,
+                         decode_bytes_per_step(m.spec, DTYPE_BYTES[dtype],
+                                               method.prompt_tokens + method.new_tokens / 2, method.batch), sides)
+    try:
+        for side in sides:
+            if side.status == "ok":
+                try:
+                    side.extra = _prepare(side, m, dtype, method, workdir, reporter)
+                except LinnetError as e:
+                    side.fail(e.message)
+        reporter.stage("measuring memory bandwidth")
+        result.bandwidth_bytes_s = stream_bandwidth(device)
+        for side in sides:
+            if side.status == "ok":
+                _start(side, m, dtype, method, device, workdir, reporter)
+        _rounds(result, prompts, reporter, on_sample)
+        _finish(result, prompts[0], workdir, reporter)
+    except KeyboardInterrupt:
+        result.interrupted = True
+    finally:
+        for side in sides:
+            if side.worker is not None:
+                side.worker.close()
+                side.worker = None
+        if own_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if not result.interrupted:  # the machine is shared: the best of before and after is its bandwidth
+        result.bandwidth_bytes_s = max(result.bandwidth_bytes_s, stream_bandwidth(device))
+    return result
+
+
+def _start(side: Side, m: Model, dtype: str, method: Method, device: str, workdir: Path, reporter: Reporter) -> None:
+    reporter.stage(f"loading {side.subject.label} in a fresh process")
+    cfg = {"subject": side.subject.key, "model": str(m.path), "dtype": dtype, "positions": method.positions,
+           "batch": method.batch, "device": device, **side.extra}
+    log = workdir / f"{side.subject.key.replace(':', '-').replace('.', '')}.log"
+    side.worker = Worker(cfg, log)
+    try:
+        ready = side.worker.read(LOAD_TIMEOUT_S)
+    except (RuntimeError, TimeoutError) as e:
+        side.fail(f"failed to load: {e}")
+        side.worker.close()
+        side.worker = None
+        return
+    side.load_s = ready["load_s"]
+    if ready.get("cached") is not None:
+        side.cached = ready["cached"]
+
+
+def _rounds(result: BenchResult, prompts: list[list[int]], reporter: Reporter, on_sample) -> None:
+    method = result.method
+    live = [s for s in result.sides if s.worker is not None]
+    reporter.total((method.warmups + method.runs) * len(live))
+    for r in range(method.warmups + method.runs):
+        order = live if r % 2 == 0 else live[::-1]
+        warm = r < method.warmups
+        for side in order:
+            if side.worker is None:
+                continue
+            what = f"warm-up {r + 1}/{method.warmups}" if warm else f"run {r - method.warmups + 1}/{method.runs}"
+            try:
+                sample = side.worker.ask({"op": "run", "prompts": prompts, "new": method.new_tokens})
+            except (RuntimeError, TimeoutError) as e:
+                side.fail(f"failed during the runs: {e}")
+                side.worker.close()
+                side.worker = None
+                continue
+            if not warm:
+                side.samples.append(sample)
+                if on_sample:
+                    on_sample(side)
+            reporter.advance(f"{what}: {side.subject.label}")
+        if not warm:
+            result.completed_runs = r - method.warmups + 1
+
+
+def _finish(result: BenchResult, prompt: list[int], workdir: Path, reporter: Reporter) -> None:
+    """Peak memory first (the logits below may allocate), then each side's distance from the reference."""
+    reporter.stage("peak memory and distance from reference")
+    live = [s for s in result.sides if s.worker is not None]
+    for side in live:
+        side.memory = side.worker.ask({"op": "memory"})
+    base = result.side(BASELINE)
+    if base is None or base.worker is None:
+        return
+    ref_path = workdir / "reference.npy"
+    base.worker.ask({"op": "logits", "prompt": prompt, "out": str(ref_path)})
+    reference = np.load(ref_path)
+    base.distance = 0.0
+    for side in live:
+        if side is base:
+            continue
+        out = workdir / f"logits-{len(os.listdir(workdir))}.npy"
+        try:
+            if side.worker.ask({"op": "logits", "prompt": prompt, "out": str(out)})["written"]:
+                side.distance = float(np.abs(np.load(out) - reference).max())
+        except (RuntimeError, TimeoutError) as e:
+            side.reason = f"no distance: {e}"

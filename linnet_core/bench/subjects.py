@@ -1,0 +1,122 @@
+"""What a bench measures: the method, and the sides (Linnet backends and the comparators).
+
+A side that cannot run here is kept with the one-line reason, so the table lists it as missing
+instead of silently dropping it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import asdict, dataclass
+
+from ..backends import BACKEND_NAMES, get_backend
+from ..errors import BackendUnavailable, InputError
+
+BASELINE = "transformers"
+# key -> (label, stack, what it is, for the notes column)
+COMPARATORS = {
+    "transformers": ("transformers", "PyTorch", "the reference: eager, its dynamic KV cache"),
+    "transformers-compiled": ("transformers, compiled", "PyTorch",
+                              "its forward under torch.compile (fullgraph) over a static cache; "
+                              "its load time includes the compile"),
+    "llama.cpp": ("llama.cpp on Linnet's GGUF", "LLM engines",
+                  "linnet.export_gguf in the bench dtype, then llama-cpp-python with its defaults (f16 KV "
+                  "cache); one sequence"),
+    "vllm": ("vLLM on Linnet's export", "LLM engines", "linnet.export_hf, then vLLM's offline LLM"),
+    "sglang": ("SGLang on Linnet's export", "LLM engines", "linnet.export_hf, then SGLang's offline Engine"),
+}
+
+
+@dataclass(frozen=True)
+class Method:
+    prompt_tokens: int = 512
+    new_tokens: int = 128
+    batch: int = 1
+    runs: int = 10
+    warmups: int = 3
+    dtype: str = "auto"
+    cache_len: int | None = None  # default: prompt + new tokens
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("prompt_tokens", "new_tokens", "batch", "runs"):
+            if getattr(self, name) < 1:
+                raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.new_tokens < 2:
+            raise InputError("--new-tokens must be at least 2: decode speed is timed after the first token")
+        if self.warmups < 0:
+            raise InputError(f"--warmups must be 0 or more, got {self.warmups}")
+
+    @property
+    def positions(self) -> int:
+        return self.cache_len or self.prompt_tokens + self.new_tokens
+
+    def describe(self) -> str:
+        runs = f"{self.runs} run{'s' * (self.runs != 1)}"
+        warm = f"{self.warmups} warm-up{'s' * (self.warmups != 1)}"
+        return f"{self.prompt_tokens} prompt tokens, {self.new_tokens} new · batch {self.batch} · median of {runs} after {warm}"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Subject:
+    key: str  # "linnet:torch", "transformers", "llama.cpp", ...
+    label: str
+    stack: str
+    note: str = ""
+    backend: str | None = None  # Linnet subjects
+
+    @property
+    def is_linnet(self) -> bool:
+        return self.backend is not None
+
+
+def linnet_subject(backend: str) -> Subject:
+    b = get_backend(backend)
+    return Subject(f"linnet:{backend}", f"Linnet, {b.title}", b.stack, backend=backend)
+
+
+def comparator(key: str) -> Subject:
+    label, stack, note = COMPARATORS[key]
+    return Subject(key, label, stack, note)
+
+
+def pick(backends: list[str], comparators: list[str]) -> list[Subject]:
+    """The sides in page order: the reference first, then by stack, Linnet beside its stack's comparators."""
+    unknown = [b for b in backends if b not in BACKEND_NAMES]
+    if unknown:
+        raise InputError(f"unknown backend '{unknown[0]}' (choose from: all, {', '.join(BACKEND_NAMES)})")
+    bad = [c for c in comparators if c not in COMPARATORS]
+    if bad:
+        raise InputError(f"unknown comparator '{bad[0]}' (choose from: all, none, {', '.join(COMPARATORS)})")
+    subjects = [comparator(BASELINE)] + [comparator(c) for c in comparators if c != BASELINE]
+    subjects += [linnet_subject(b) for b in backends]
+    order = {"PyTorch": 0, "JAX": 1, "ONNX Runtime and TensorRT": 2, "LLM engines": 3}
+    return sorted(subjects, key=lambda s: (order.get(s.stack, 9), s.is_linnet))
+
+
+def why_missing(subject: Subject, dtype: str, batch: int) -> str | None:
+    """None when the side can run here, else the one-line reason (and what to install)."""
+    if subject.is_linnet:
+        try:
+            get_backend(subject.backend).check_available(dtype)
+        except BackendUnavailable as e:
+            return e.message + (f" ({e.hint})" if e.hint else "")
+        return None
+    need = {"llama.cpp": [("llama_cpp", "pip install 'linnet[llamacpp]'"), ("gguf", "pip install gguf")],
+            "vllm": [("vllm", "pip install vllm")], "sglang": [("sglang", "pip install 'sglang[all]'")]}
+    for module, install in need.get(subject.key, []):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed ({install})"
+    if subject.key in ("vllm", "sglang"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return f"{subject.key} needs a CUDA GPU; none is present here"
+    if subject.key == "llama.cpp" and batch != 1:
+        return "llama-cpp-python runs one sequence: batch 1 only"
+    if subject.key == "llama.cpp" and dtype not in ("float32", "float16", "bfloat16"):
+        return f"no GGUF type for {dtype}"
+    return None

@@ -1,0 +1,296 @@
+"""One bench side in a process of its own: load it, then answer the parent's requests.
+
+    python -m linnet_core.bench.worker '<json config>'
+
+One JSON object per line each way. The first line out is `{"ready": true, "load_s": ...}` (from
+the parent's spawn, imports included, to a model that has produced a token) or `{"error": ...}`.
+Requests: `{"op": "run", "prompts": [[...]], "new": N}` -> ttft_s and decode_tok_s;
+`{"op": "logits", "prompt": [...], "out": path}` writes the last position's logits (.npy);
+`{"op": "memory"}` -> the process's peak; `{"op": "exit"}`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+# Keep stdout for the protocol: library chatter goes to stderr.
+_protocol = os.fdopen(os.dup(1), "w", buffering=1)
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+
+
+def send(obj: dict) -> None:
+    _protocol.write(json.dumps(obj) + "\n")
+
+
+class MemoryWatch:
+    """Peak memory of this process: the driver's figure on a GPU (NVML, polled), peak RSS on CPU."""
+
+    def __init__(self, device: str):
+        self.device, self.peak_gpu, self._nvml = device, 0, None
+        if device == "cuda":
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+                threading.Thread(target=self._poll, daemon=True).start()
+            except Exception:  # noqa: BLE001 - no NVML bindings or driver: torch's own figure below
+                self._nvml = None
+
+    def _poll(self) -> None:
+        nv, pid = self._nvml, os.getpid()
+        handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
+        while True:
+            used = 0
+            for h in handles:
+                for p in nv.nvmlDeviceGetComputeRunningProcesses(h):
+                    if p.pid == pid and p.usedGpuMemory:
+                        used += p.usedGpuMemory
+            self.peak_gpu = max(self.peak_gpu, used)
+            time.sleep(0.05)
+
+    @staticmethod
+    def peak_rss() -> int:
+        """This process's own high-water RSS. Not getrusage's ru_maxrss: Linux carries the parent's
+        peak across fork and exec into it, so every worker would report at least the parent's."""
+        try:
+            for line in open("/proc/self/status"):
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def report(self) -> dict:
+        rss = self.peak_rss()
+        if self.device != "cuda":
+            return {"peak_bytes": rss, "source": "peak RSS"}
+        if self._nvml is not None and self.peak_gpu:
+            return {"peak_bytes": self.peak_gpu, "source": "NVML, this process", "peak_rss_bytes": rss}
+        import torch
+
+        return {"peak_bytes": torch.cuda.max_memory_reserved(), "source": "torch.cuda.max_memory_reserved",
+                "peak_rss_bytes": rss}
+
+
+class LinnetRunner:
+    def __init__(self, cfg: dict):
+        from ..compile import load_model
+
+        self.batch = cfg["batch"]
+        self.session, compiled = load_model(cfg["model"], cfg["backend"], cfg["dtype"], cfg["positions"],
+                                            rows=self.batch)
+        self.cached = compiled.hit
+        self.session.prefill([1, 2])
+        self.session.decode([3], [2], [0])
+
+    def run(self, prompts: list[list[int]], new: int) -> tuple[float, float]:
+        s, rows = self.session, list(range(len(prompts)))
+        t0 = time.perf_counter()
+        tokens = [s.prefill(p, slot=i).tokens[0] for i, p in enumerate(prompts)]
+        ttft = time.perf_counter() - t0
+        positions = [len(p) for p in prompts]
+        t1 = time.perf_counter()
+        for _ in range(new - 1):
+            tokens = s.decode(tokens, positions, rows).tokens
+            positions = [p + 1 for p in positions]
+        return ttft, (new - 1) * len(prompts) / (time.perf_counter() - t1)
+
+    def logits(self, prompt: list[int]) -> np.ndarray:
+        return np.asarray(self.session.prefill(prompt, logits="last").logits[0, -1], dtype=np.float32)
+
+
+class TransformersRunner:
+    """transformers eager (its dynamic KV cache), or its forward under torch.compile over a static
+    cache; either way prefill, then one forward per new token, greedy."""
+
+    def __init__(self, cfg: dict, compiled: bool):
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()
+        logging.disable_progress_bar()
+        self.torch, self.device, self.batch = torch, cfg["device"], cfg["batch"]
+        self.model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=getattr(torch, cfg["dtype"])).eval()
+        self.model.to(self.device)
+        self.cache = None
+        if compiled:
+            from transformers import StaticCache
+
+            mode = "reduce-overhead" if self.device == "cuda" else None
+            self.model.forward = torch.compile(self.model.forward, fullgraph=True, mode=mode)
+            self.cache = StaticCache(config=self.model.config, max_cache_len=cfg["positions"])
+        self.run([[1, 2] * 4] * cfg["batch"], 3)  # ready = produced tokens (compiled: compiled too)
+        self.cached = None
+
+    def _forward(self, ids, past, start: int):
+        torch = self.torch
+        if self.cache is None:
+            return self.model(ids, past_key_values=past, use_cache=True)
+        positions = torch.arange(start, start + ids.shape[1], device=self.device)
+        return self.model(ids, past_key_values=self.cache, cache_position=positions, use_cache=True)
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+
+    def run(self, prompts: list[list[int]], new: int) -> tuple[float, float]:
+        torch = self.torch
+        ids = torch.tensor(prompts, device=self.device)
+        with torch.inference_mode():
+            if self.cache is not None:
+                self.cache.reset()
+            t0 = time.perf_counter()
+            out = self._forward(ids, None, 0)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            self._sync()
+            ttft = time.perf_counter() - t0
+            past, pos = out.past_key_values, ids.shape[1]
+            t1 = time.perf_counter()
+            for _ in range(new - 1):
+                out = self._forward(token, past, pos)
+                past, pos = out.past_key_values, pos + 1
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+            self._sync()
+        return ttft, (new - 1) * len(prompts) / (time.perf_counter() - t1)
+
+    def logits(self, prompt: list[int]) -> np.ndarray:
+        torch = self.torch
+        rows = self.batch if self.cache is not None else 1  # a static cache has its batch built in
+        with torch.inference_mode():
+            if self.cache is not None:
+                self.cache.reset()
+            out = self._forward(torch.tensor([prompt] * rows, device=self.device), None, 0)
+        return out.logits[0, -1].float().cpu().numpy()
+
+
+class LlamaCppRunner:
+    def __init__(self, cfg: dict):
+        import torch
+        from llama_cpp import Llama
+
+        self.path, self.positions = cfg["gguf"], cfg["positions"]
+        gpu_layers = -1 if cfg["device"] == "cuda" else 0
+        self.llm = Llama(model_path=self.path, n_ctx=self.positions, n_batch=512, n_gpu_layers=gpu_layers,
+                         n_threads=torch.get_num_threads(), verbose=False)
+        self.run([[1, 2, 3, 4]], 2)
+        self.cached = None
+
+    def run(self, prompts: list[list[int]], new: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        gen = self.llm.generate(prompts[0], top_k=1, top_p=1.0, temp=0.0, reset=True)
+        next(gen)
+        ttft = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for _ in range(new - 1):
+            next(gen)
+        return ttft, (new - 1) / (time.perf_counter() - t1)
+
+    def logits(self, prompt: list[int]) -> np.ndarray:
+        from llama_cpp import Llama
+
+        # The timed model keeps no logits (llama-cpp-python stores them only with logits_all).
+        llm = Llama(model_path=self.path, n_ctx=self.positions, n_batch=512, logits_all=True, verbose=False,
+                    n_gpu_layers=self.llm.model_params.n_gpu_layers)
+        try:
+            llm.eval(prompt)
+            return np.array(llm.scores[len(prompt) - 1], dtype=np.float32)
+        finally:
+            llm.close()
+
+
+class VllmRunner:
+    """vLLM's offline engine on Linnet's HF export; TTFT is a one-token request's time."""
+
+    def __init__(self, cfg: dict):
+        from vllm import LLM
+
+        self.llm = LLM(model=cfg["hf_dir"], dtype=cfg["dtype"], max_model_len=cfg["positions"],
+                       gpu_memory_utilization=0.85, seed=0)
+        self.run([[1, 2, 3, 4]], 2)
+        self.cached = None
+
+    def _generate(self, prompts, n: int) -> float:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0)
+        t = time.perf_counter()
+        self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - t
+
+    def run(self, prompts: list[list[int]], new: int) -> tuple[float, float]:
+        ttft = self._generate(prompts, 1)
+        return ttft, (new - 1) * len(prompts) / (self._generate(prompts, new) - ttft)
+
+    def logits(self, prompt: list[int]) -> np.ndarray | None:
+        return None  # vLLM returns log-probabilities of a few tokens, not logits
+
+
+class SglangRunner(VllmRunner):
+    def __init__(self, cfg: dict):
+        import sglang
+
+        self.engine = sglang.Engine(model_path=cfg["hf_dir"], dtype=cfg["dtype"], mem_fraction_static=0.85,
+                                    context_length=cfg["positions"], random_seed=0)
+        self.run([[1, 2, 3, 4]], 2)
+        self.cached = None
+
+    def _generate(self, prompts, n: int) -> float:
+        params = {"max_new_tokens": n, "min_new_tokens": n, "ignore_eos": True, "temperature": 0.0}
+        t = time.perf_counter()
+        self.engine.generate(input_ids=prompts, sampling_params=params)
+        return time.perf_counter() - t
+
+
+def make_runner(cfg: dict):
+    kind = cfg["subject"]
+    if kind.startswith("linnet:"):
+        return LinnetRunner(cfg)
+    if kind in ("transformers", "transformers-compiled"):
+        return TransformersRunner(cfg, compiled=kind == "transformers-compiled")
+    return {"llama.cpp": LlamaCppRunner, "vllm": VllmRunner, "sglang": SglangRunner}[kind](cfg)
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    watch = MemoryWatch(cfg["device"])
+    try:
+        runner = make_runner(cfg)
+    except Exception as e:  # noqa: BLE001 - any failure to load is this side's result, in one line
+        send({"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"})
+        return
+    send({"ready": True, "load_s": time.time() - cfg["spawned_at"], "cached": runner.cached})
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            if req["op"] == "run":
+                ttft, tok_s = runner.run(req["prompts"], req["new"])
+                send({"ttft_s": ttft, "decode_tok_s": tok_s})
+            elif req["op"] == "logits":
+                logits = runner.logits(req["prompt"])
+                if logits is not None:
+                    np.save(req["out"], logits)
+                send({"written": logits is not None})
+            elif req["op"] == "memory":
+                send(watch.report())
+            elif req["op"] == "exit":
+                break
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which marks the side failed
+            send({"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"})
+
+
+if __name__ == "__main__":
+    main()
+    _protocol.flush()
+    os._exit(0)  # skip interpreter teardown: some runtimes take seconds to unload

@@ -1,0 +1,144 @@
+"""`linnet bench` on a tiny fixture: a complete JSON, a page that parses, Markdown, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from test_cli import assert_one_line_error, invoke
+
+from linnet_core.bench.machine import decode_bytes_per_step
+from linnet_core.bench.report import METRICS, number
+from linnet_core.bench.run import bench
+from linnet_core.bench.subjects import Method, pick
+from linnet_core.models import load_spec
+
+CASE = "qwen3-headdim128"
+FAST = ["--prompt-tokens", "16", "--new-tokens", "4", "--runs", "2", "--warmups", "1"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def full_run(checkpoints, tmp_path_factory):
+    """One `linnet bench --backend all --compare all` run, its JSON and its page, shared below."""
+    out = tmp_path_factory.mktemp("bench")
+    r = invoke("bench", checkpoints[CASE], "--backend", "all", "--compare", "all", *FAST, "--json",
+               "--html", out / "page.html")
+    assert r.exit_code == 0, r.stderr
+    return json.loads(r.stdout), (out / "page.html").read_text()
+
+
+@pytest.mark.slow
+def test_json_is_complete(full_run):
+    data, _ = full_run
+    assert data["method"]["runs"] == 2 and data["method"]["warmups"] == 1 and not data["interrupted"]
+    env = data["environment"]
+    assert env["versions"]["linnet"] and env["versions"]["torch"] and env["threads"] > 0 and env["date"]
+    assert data["bandwidth_bytes_s"] > 0 and data["decode_bytes_per_step"] > 0
+    sides = {s["key"]: s for s in data["sides"]}
+    assert sides["transformers"]["status"] == "ok" and sides["transformers"]["decode_speedup"] == 1.0
+    ran = [s for s in data["sides"] if s["status"] == "ok"]
+    assert {"transformers", "linnet:torch", "linnet:inductor"} <= {s["key"] for s in ran}
+    for s in ran:
+        assert len(s["samples"]) == 2, s["key"]
+        for key in ("ttft_ms", "decode_tok_s", "load_s", "peak_memory_bytes", "decode_speedup", "roofline"):
+            assert s[key] is not None and s[key] > 0, (s["key"], key)
+        assert s["distance"] is not None and s["distance"] >= 0
+        if s["linnet"]:
+            assert s["distance"] <= 1e-3 and s["artifact_cached"] is not None
+    # What cannot run here is listed with the reason, never dropped.
+    for key in ("vllm", "sglang", "linnet:cudagraphs", "linnet:tensorrt"):
+        assert sides[key]["status"] == "missing" and sides[key]["reason"], key
+    if shutil.which("nvidia-smi") is None:
+        assert "GPU" in sides["linnet:cudagraphs"]["reason"]
+
+
+class _Page(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.svgs, self.rows, self.links, self.tags = 0, 0, [], []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        self.svgs += tag == "svg"
+        self.rows += tag == "tr"
+        self.links += [v for k, v in attrs if k in ("src", "href") and v]
+
+
+@pytest.mark.slow
+def test_page_is_self_contained_with_a_chart_per_metric(full_run):
+    data, html = full_run
+    page = _Page()
+    page.feed(html)
+    assert page.svgs == len(METRICS)
+    assert page.rows == len(data["sides"]) + 1  # the every-number table, with its header
+    assert page.links == [] and "<script" not in html  # nothing fetched, nothing run
+    assert html.count('fill="#c0262d"') == len(METRICS)  # one best bar per chart
+    for side in data["sides"]:
+        assert side["label"].replace("'", "&#x27;") in html
+    assert "Reproduce: <code>linnet" in html
+
+
+def test_markdown_and_ctrl_c(checkpoints, tmp_path):
+    r = invoke("bench", checkpoints[CASE], "--backend", "torch", "--compare", "none", *FAST, "--markdown")
+    assert r.exit_code == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[2].startswith("| side | TTFT | decode |")
+    assert any(line.startswith("| Linnet, generated PyTorch |") for line in lines)
+    assert any(line.startswith("| transformers |") for line in lines)
+
+    def interrupt(side):  # Ctrl-C after the first timed sample
+        raise KeyboardInterrupt
+
+    result = bench(checkpoints[CASE], Method(16, 4, 1, 3, 0), pick(["torch"], []), workdir=tmp_path,
+                   on_sample=interrupt)
+    assert result.interrupted and result.completed_runs == 0
+    measured = [s for s in result.sides if s.samples]
+    assert len(measured) == 1 and measured[0].samples[0]["decode_tok_s"] > 0
+    assert all(s.worker is None for s in result.sides)  # every worker process stopped
+    left = subprocess.run(["pgrep", "-f", "linnet_core.bench.worker"], capture_output=True, text=True).stdout
+    assert left.strip() == ""
+
+
+@pytest.mark.parametrize("args,text", [
+    (["--runs", "0"], "--runs must be at least 1"),
+    (["--new-tokens", "1"], "--new-tokens must be at least 2"),
+    (["--backend", "tpu"], "unknown backend 'tpu'"),
+    (["--compare", "tgi"], "unknown comparator 'tgi'"),
+    (["--device", "npu"], "unknown device 'npu'"),
+])
+def test_bad_input_is_one_line(args, text, checkpoints):
+    assert_one_line_error(invoke("bench", checkpoints[CASE], *args), 1, text)
+
+
+def test_decode_bytes_count_weights_once_and_the_kv_cache(checkpoints):
+    spec = load_spec(checkpoints["llama-gqa-untied"])  # untied: the head is read, the embedding gathered
+    H, F, V, L = spec.hidden_size, spec.intermediate_size, spec.vocab_size, spec.num_layers
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    per_layer = H * q + 2 * H * kv + q * H + 3 * H * F + 2 * H
+    weights = (L * per_layer + H + V * H) * 4
+    kv_bytes = L * 2 * kv * 4 * 10.0 * 2
+    assert decode_bytes_per_step(spec, 4, 10.0, 2) == weights + kv_bytes
+
+
+def test_numbers_read_like_the_pages():
+    assert [number(v) for v in (0, 0.000123, 0.718, 2.1, 17.42, 246.3, 14835.2)] == \
+        ["0", "1.23e-04", "0.718", "2.10", "17.4", "246", "14,835"]
+
+
+def test_screenshot_in_headless_chromium(full_run, tmp_path):
+    """The page as a browser draws it (the script that keeps docs/bench-page.png current)."""
+    if not (shutil.which("chromium") or shutil.which("chromium-browser")):
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    _, html = full_run
+    page = tmp_path / "page.html"
+    page.write_text(html)
+    png = tmp_path / "page.png"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "screenshot_page.py"), str(page), str(png)], check=True,
+                   timeout=180)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
