@@ -85,12 +85,14 @@ def test_page_is_self_contained_with_a_chart_per_metric(full_run):
 
 
 def test_markdown_and_ctrl_c(checkpoints, tmp_path):
-    r = invoke("bench", checkpoints[CASE], "--backend", "torch", "--compare", "none", *FAST, "--markdown")
+    r = invoke("bench", checkpoints[CASE], "--backend", "torch", "--compare", "none", *FAST, "--markdown",
+               "--sequential")
     assert r.exit_code == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[2].startswith("| side | TTFT | decode |")
     assert any(line.startswith("| Linnet, generated PyTorch |") for line in lines)
     assert any(line.startswith("| transformers |") for line in lines)
+    assert "| 1.00× |" in r.stdout and "e-0" in r.stdout  # the ratio column, and a distance
 
     def interrupt(side):  # Ctrl-C after the first timed sample
         raise KeyboardInterrupt

@@ -39,9 +39,14 @@ def bench_command(
     warmups: Annotated[int, typer.Option("--warmups", help="Untimed runs first.")] = 3,
     cache_len: Annotated[Optional[int], typer.Option("--cache-len", help="KV positions (default: prompt + new).")] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    sequential: Annotated[bool, typer.Option(
+        "--sequential", help="One side loaded at a time, its runs back to back (models too big to hold once "
+                             "per side); default: all loaded, runs interleaved.")] = False,
     html: Annotated[Optional[Path], typer.Option("--html", help="Write the page (one self-contained HTML file).",
                                                  show_default=False)] = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the table as Markdown.")] = False,
+    save: Annotated[Optional[Path], typer.Option("--save", help="Also write the --json document to this file.",
+                                                 show_default=False)] = None,
     workdir: Annotated[Optional[Path], typer.Option("--workdir", help="Keep exports and worker logs here.",
                                                     show_default=False)] = None,
     json: JsonOpt = False,
@@ -62,11 +67,19 @@ def bench_command(
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    for path in (html, save):  # checked before minutes of measuring, not after
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise InputError(f"cannot write {path}: {e.strerror}") from None
+            if path.is_dir():
+                raise InputError(f"{path} is a folder; give the name of the file to write")
     method = Method(prompt_tokens, new_tokens, batch, runs, warmups, dtype, cache_len)
     subjects = pick(_names(backend, BACKEND_NAMES, "all"), _names(compare, tuple(COMPARATORS), "all"))
     reporter = _progress(sink)
     try:
-        result = bench(model, method, subjects, device, workdir, reporter)
+        result = bench(model, method, subjects, device, workdir, reporter, sequential=sequential)
     finally:
         reporter.close()
     if html is not None:
@@ -75,6 +88,11 @@ def bench_command(
         command = "linnet " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         html.write_text(render(result, command), encoding="utf-8")
         sink.info(f"wrote {html}")
+    if save is not None:
+        import json as jsonlib
+
+        save.write_text(jsonlib.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+        sink.info(f"wrote {save}")
     if json:
         sink.data("", result.to_json())
     elif markdown:

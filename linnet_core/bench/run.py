@@ -195,7 +195,7 @@ def _prepare(side: Side, m: Model, dtype: str, method: Method, workdir: Path, re
 
 def bench(model: str | Path | Model | None, method: Method, subjects: list[Subject], device: str = "cpu",
           workdir: Path | None = None, reporter: Reporter | None = None,
-          on_sample: Callable[[Side], None] | None = None) -> BenchResult:
+          on_sample: Callable[[Side], None] | None = None, sequential: bool = False) -> BenchResult:
     reporter = reporter or Reporter()
     m = model if isinstance(model, Model) else open_model(model)
     dtype = pick_dtype(method.dtype, m.spec)
@@ -221,11 +221,19 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
                     side.fail(e.message)
         reporter.stage("measuring memory bandwidth")
         result.bandwidth_bytes_s = stream_bandwidth(device)
-        for side in sides:
-            if side.status == "ok":
+        ready = [s for s in sides if s.status == "ok"]
+        reporter.total((method.warmups + method.runs) * len(ready))
+        # Interleaved: every side loaded at once, each round visits all. Sequential: one side at a
+        # time (for models too big to hold once per side), the reference first.
+        for group in ([ready] if not sequential else [[s] for s in ready]):
+            for side in group:
                 _start(side, m, dtype, method, device, workdir, reporter)
-        _rounds(result, prompts, reporter, on_sample)
-        _finish(result, prompts[0], workdir, reporter)
+            _rounds(result, group, prompts, reporter, on_sample)
+            _finish(result, group, prompts[0], workdir, reporter)
+            for side in group:
+                if side.worker is not None:
+                    side.worker.close()
+                    side.worker = None
     except KeyboardInterrupt:
         result.interrupted = True
     finally:
@@ -235,6 +243,8 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
                 side.worker = None
         if own_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
+    measured = [len(s.samples) for s in sides if s.status == "ok"]
+    result.completed_runs = min(measured) if measured else 0
     if not result.interrupted:  # the machine is shared: the best of before and after is its bandwidth
         result.bandwidth_bytes_s = max(result.bandwidth_bytes_s, stream_bandwidth(device))
     return result
@@ -258,10 +268,9 @@ def _start(side: Side, m: Model, dtype: str, method: Method, device: str, workdi
         side.cached = ready["cached"]
 
 
-def _rounds(result: BenchResult, prompts: list[list[int]], reporter: Reporter, on_sample) -> None:
+def _rounds(result: BenchResult, group: list[Side], prompts: list[list[int]], reporter: Reporter, on_sample) -> None:
     method = result.method
-    live = [s for s in result.sides if s.worker is not None]
-    reporter.total((method.warmups + method.runs) * len(live))
+    live = [s for s in group if s.worker is not None]
     for r in range(method.warmups + method.runs):
         order = live if r % 2 == 0 else live[::-1]
         warm = r < method.warmups
@@ -281,29 +290,22 @@ def _rounds(result: BenchResult, prompts: list[list[int]], reporter: Reporter, o
                 if on_sample:
                     on_sample(side)
             reporter.advance(f"{what}: {side.subject.label}")
-        if not warm:
-            result.completed_runs = r - method.warmups + 1
 
 
-def _finish(result: BenchResult, prompt: list[int], workdir: Path, reporter: Reporter) -> None:
-    """Peak memory first (the logits below may allocate), then each side's distance from the reference."""
+def _finish(result: BenchResult, group: list[Side], prompt: list[int], workdir: Path, reporter: Reporter) -> None:
+    """Peak memory first (the logits below may allocate), then each side's distance from the reference
+    (whose logits the reference's worker leaves in the workdir: it runs in the first group)."""
     reporter.stage("peak memory and distance from reference")
-    live = [s for s in result.sides if s.worker is not None]
+    live = sorted((s for s in group if s.worker is not None), key=lambda s: s.subject.key != BASELINE)
     for side in live:
         side.memory = side.worker.ask({"op": "memory"})
-    base = result.side(BASELINE)
-    if base is None or base.worker is None:
-        return
     ref_path = workdir / "reference.npy"
-    base.worker.ask({"op": "logits", "prompt": prompt, "out": str(ref_path)})
-    reference = np.load(ref_path)
-    base.distance = 0.0
     for side in live:
-        if side is base:
-            continue
-        out = workdir / f"logits-{len(os.listdir(workdir))}.npy"
+        out = ref_path if side.subject.key == BASELINE else workdir / f"logits-{len(os.listdir(workdir))}.npy"
         try:
-            if side.worker.ask({"op": "logits", "prompt": prompt, "out": str(out)})["written"]:
-                side.distance = float(np.abs(np.load(out) - reference).max())
+            written = side.worker.ask({"op": "logits", "prompt": prompt, "out": str(out)})["written"]
         except (RuntimeError, TimeoutError) as e:
             side.reason = f"no distance: {e}"
+            continue
+        if written and ref_path.is_file():
+            side.distance = float(np.abs(np.load(out) - np.load(ref_path)).max())

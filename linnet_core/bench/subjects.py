@@ -46,6 +46,9 @@ class Method:
             raise InputError("--new-tokens must be at least 2: decode speed is timed after the first token")
         if self.warmups < 0:
             raise InputError(f"--warmups must be 0 or more, got {self.warmups}")
+        if self.cache_len is not None and self.cache_len < self.prompt_tokens + self.new_tokens:
+            raise InputError(f"--cache-len {self.cache_len} cannot hold {self.prompt_tokens} prompt tokens and "
+                             f"{self.new_tokens} new ones")
 
     @property
     def positions(self) -> int:

@@ -187,6 +187,9 @@ class LlamaCppRunner:
         self.cached = None
 
     def run(self, prompts: list[list[int]], new: int) -> tuple[float, float]:
+        # generate() would reuse the previous run's KV cache for a matching prefix (all of the
+        # prompt here): clear it, so every run prefills the whole prompt.
+        self.llm.reset()
         t0 = time.perf_counter()
         gen = self.llm.generate(prompts[0], top_k=1, top_p=1.0, temp=0.0, reset=True)
         next(gen)
