@@ -9,8 +9,11 @@ import typer
 from linnet_core import __version__
 
 from .commands.bench import bench_command
+from .commands.cache import cache_app
 from .commands.compile import compile_command
+from .commands.doctor import doctor_command
 from .commands.export import export_app
+from .commands.models import models_command
 from .commands.run import run_command
 from .commands.verify import verify_command
 
@@ -43,6 +46,9 @@ app.command("run")(run_command)
 app.command("verify")(verify_command)
 app.add_typer(export_app, name="export")
 app.command("bench")(bench_command)
+app.command("doctor")(doctor_command)
+app.command("models")(models_command)
+app.add_typer(cache_app, name="cache")
 
 
 def main() -> None:

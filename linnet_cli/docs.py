@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SHELLS = {"bash": "linnet.bash", "zsh": "_linnet", "fish": "linnet.fish"}
 EXIT_STATUS = [
     ("0", "success (and, for verify, the backend is within tolerance)"),
-    ("1", "failure: a model, checkpoint, cache or backend error, or a verify past its tolerance"),
+    ("1", "failure: a model, checkpoint, cache or backend error, or bad input"),
     ("2", "usage error: an unknown option, or a value outside its choices"),
+    ("3", "a check failed: verify past its tolerance, or an export's round trip"),
     ("130", "interrupted (Ctrl-C); nothing half-written is left in the cache"),
 ]
 ENVIRONMENT = [

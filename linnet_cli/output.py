@@ -19,7 +19,7 @@ from rich.markup import escape
 
 from linnet_core.errors import LinnetError
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_CHECK_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 def _no_color() -> bool:
@@ -29,11 +29,13 @@ def _no_color() -> bool:
 class Sink:
     def __init__(self, json_mode: bool = False, quiet: bool = False):
         self.json_mode, self.quiet = json_mode, quiet
-        self.out = Console(file=sys.stdout, no_color=_no_color(), highlight=False, soft_wrap=True)
+        # Piped into a log, Rich would squeeze tables into 80 columns: give them room instead.
+        self.out = Console(file=sys.stdout, no_color=_no_color(), highlight=False, soft_wrap=True,
+                           width=None if sys.stdout.isatty() else 200)
         self.err = Console(file=sys.stderr, no_color=_no_color(), highlight=False, soft_wrap=True)
 
-    def data(self, human: str, payload: dict[str, Any]) -> None:
-        """The command's result: JSON on stdout with --json, else the human line(s)."""
+    def data(self, human: Any, payload: dict[str, Any]) -> None:
+        """The command's result: JSON on stdout with --json, else the human text (or a Rich renderable)."""
         if self.json_mode:
             sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
         elif not self.quiet:

@@ -100,6 +100,27 @@ class ArtifactKey:
 
 
 @dataclass(frozen=True)
+class CachedArtifact:
+    """One cache entry as `linnet cache ls` shows it."""
+
+    path: Path
+    model: str
+    backend: str
+    dtype: str
+    cache_len: int
+    size: int
+    created: float
+    last_used: float
+    digest: str  # names its lock
+    intact: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": str(self.path), "name": self.path.name, "model": self.model, "backend": self.backend,
+                "dtype": self.dtype, "cache_len": self.cache_len, "bytes": self.size, "created": self.created,
+                "last_used": self.last_used, "intact": self.intact}
+
+
+@dataclass(frozen=True)
 class Entry:
     path: Path
     hit: bool
@@ -210,6 +231,52 @@ class ArtifactCache:
         }
         (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
         return manifest
+
+    def entries(self) -> list[CachedArtifact]:
+        """Every artifact in the cache, most recently used first (a damaged one is listed as such)."""
+        if not self.artifacts.is_dir():
+            return []
+        out = []
+        for path in self.artifacts.iterdir():
+            if not path.is_dir():
+                continue
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            try:
+                m = json.loads((path / MANIFEST).read_text())
+                used = (path / MANIFEST).stat().st_mtime
+                out.append(CachedArtifact(path, m["model"], m["backend"], m["dtype"], int(m["cache_len"]), size,
+                                          float(m["created"]), used, m.get("digest", "")[:32], True))
+            except (OSError, ValueError, KeyError, TypeError):
+                mtime = path.stat().st_mtime
+                out.append(CachedArtifact(path, path.name, "?", "?", 0, size, mtime, mtime, "", False))
+        return sorted(out, key=lambda e: -e.last_used)
+
+    def remove(self, entry: CachedArtifact) -> None:
+        """Delete an entry, under its key's lock so that no build or load of that key is cut short."""
+        self._prepare()
+        lock = self.root / "locks" / f"{entry.digest}.lock" if entry.digest else None
+        if lock is None:
+            self._discard(entry.path)
+            return
+        with FileLock(str(lock)):
+            self._discard(entry.path)
+
+    def prune(self, older_than_s: float | None = None, max_bytes: int | None = None,
+              dry_run: bool = False) -> list[CachedArtifact]:
+        """Remove entries unused for `older_than_s`, then the least recently used until the cache
+        fits in `max_bytes`; damaged entries always go. Returns what was (or would be) removed."""
+        now = time.time()
+        keep, gone = [], []
+        for e in self.entries():
+            stale = older_than_s is not None and now - e.last_used > older_than_s
+            (gone if stale or not e.intact else keep).append(e)
+        if max_bytes is not None:
+            while keep and sum(e.size for e in keep) > max_bytes:
+                gone.append(keep.pop())  # `entries` is most recent first: the last is least recent
+        if not dry_run:
+            for e in gone:
+                self.remove(e)
+        return gone
 
     def touch(self, path: Path) -> None:
         """Record a use (for `cache ls` and pruning by last use)."""

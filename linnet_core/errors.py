@@ -46,4 +46,7 @@ class InputError(LinnetError):
 
 
 class VerifyFailed(LinnetError):
-    """A backend's distance from the reference is past the tolerance for its dtype."""
+    """A backend's distance from the reference is past the tolerance for its dtype (or an export's
+    round trip failed): its own exit code, so a script can tell "wrong numbers" from "did not run"."""
+
+    exit_code = 3

@@ -86,3 +86,11 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
         f"model '{repo_id}' is not in the local Hugging Face cache and could not be fetched ({reason})",
         hint=f"fetch it with: {fetch_command(repo_id, revision)}",
     )
+
+
+def is_cached(repo_id: str) -> bool:
+    """Whether the local Hugging Face cache holds this repo's config (no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, "config.json", cache_dir=hf_cache_dir())
+    return isinstance(found, str)

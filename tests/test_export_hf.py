@@ -11,9 +11,10 @@ from conftest import CASE_IDS
 from test_cli import assert_one_line_error, invoke
 
 from linnet_core.export import hf_export
-from linnet_core.export.hf_export import export_hf, parse_size
+from linnet_core.export.hf_export import export_hf
 from linnet_core.export.roundtrip import SAMPLE_TEXT, ExportCheckFailed
 from linnet_core.models import load_spec, spec_from_config
+from linnet_core.units import parse_size
 from linnet_core.weights import Checkpoint
 
 IDS = [5, 17, 42, 99, 123, 200, 7, 64, 301, 33, 12, 250]
@@ -140,7 +141,7 @@ def test_an_export_that_computes_something_else_is_not_written(tokenized_checkpo
         export_hf(tokenized_checkpoints["llama-gqa-untied"], tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
     r = invoke("export", "hf", tokenized_checkpoints["llama-gqa-untied"], tmp_path / "out")
-    assert_one_line_error(r, 1, "FAILED")
+    assert_one_line_error(r, 3, "FAILED")
     assert "--no-check" in r.stderr
 
 

@@ -100,14 +100,9 @@ def bench_command(
 
         sys.stdout.write(to_markdown(result))  # as is: no Rich markup in Markdown
     elif not quiet:
-        from rich.console import Console
-
         from linnet_core.bench.report import rich_table
 
-        # Piped (a CI log), Rich would squeeze the table into 80 columns: give it room instead.
-        wide = Console(file=sys.stdout, no_color=sink.out.no_color, highlight=False,
-                       width=None if sys.stdout.isatty() else 200)
-        wide.print(rich_table(result))
+        sink.out.print(rich_table(result))
     if result.interrupted:
         sink.info("interrupted: the table holds what was measured before Ctrl-C")
         raise typer.Exit(EXIT_INTERRUPTED)
@@ -129,7 +124,13 @@ class _progress:
     def total(self, n: int) -> None:
         if self.quiet or n == 0:
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                             console=self.sink.err, transient=True)

@@ -8,6 +8,8 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from linnet_core.units import format_size
+
 from ..options import CacheLenOpt, DtypeOpt, JsonOpt, ModelArg, QuietOpt, RevisionOpt
 from ..output import Sink, handle_errors
 
@@ -21,9 +23,9 @@ CHECKERS = ("llama.cpp", "transformers")
 
 
 def _gguf_dtype(value: str) -> str:
-    from linnet_core.export.gguf_export import _ALIASES
+    from linnet_core.export.gguf_export import GGUF_ALIASES
 
-    canonical = _ALIASES.get(value.lower(), value.lower())
+    canonical = GGUF_ALIASES.get(value.lower(), value.lower())
     if canonical not in GGUF_DTYPES:
         raise typer.BadParameter(f"'{value}' is not one of {', '.join(GGUF_DTYPES)}")
     return canonical
@@ -35,16 +37,9 @@ def _checker(value: str | None) -> str | None:
     return value
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
 def _report(sink: Sink, result, extra: dict) -> None:
-    lines = [escape(str(result.out))] + [f"  {escape(name):<34} {_size(size):>10}" for name, size in result.files.items()]
-    lines.append(f"[dim]{len(result.files)} files · {_size(result.total_bytes)} · {result.seconds:.1f} s[/]")
+    lines = [escape(str(result.out))] + [f"  {escape(name):<34} {format_size(size):>10}" for name, size in result.files.items()]
+    lines.append(f"[dim]{len(result.files)} files · {format_size(result.total_bytes)} · {result.seconds:.1f} s[/]")
     if result.check is not None:
         lines.append(escape(result.check.describe()))
     lines += [f"[yellow]note:[/] {escape(n)}" for n in result.notes]

@@ -6,8 +6,17 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..options import BackendName, BackendOpt, CacheLenOpt, DtypeOpt, JsonOpt, ModelArg, QuietOpt, RevisionOpt
-from ..output import EXIT_FAILURE, Sink, handle_errors
+from ..options import (
+    BackendName,
+    BackendOpt,
+    CacheLenOpt,
+    DtypeOpt,
+    JsonOpt,
+    ModelArg,
+    QuietOpt,
+    RevisionOpt,
+)
+from ..output import EXIT_CHECK_FAILED, Sink, handle_errors
 
 
 @handle_errors
@@ -22,7 +31,7 @@ def verify_command(
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Compare a backend with transformers (eager) on the same tokens; exit 1 past the tolerance."""
+    """Compare a backend with transformers (eager) on the same tokens; exit 3 past the tolerance."""
     # The core (and torch) load here, not at CLI start-up, so --help and completion stay fast.
     from linnet_core.verify import verify
 
@@ -38,4 +47,4 @@ def verify_command(
         r.to_json(),
     )
     if not r.passed:
-        raise typer.Exit(EXIT_FAILURE)
+        raise typer.Exit(EXIT_CHECK_FAILED)

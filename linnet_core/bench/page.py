@@ -9,7 +9,19 @@ from __future__ import annotations
 from html import escape
 
 from .machine import describe
-from .report import METRICS, Metric, best, header, load_note, number, ratio, roofline, roofline_line, rows, status_text
+from .report import (
+    METRICS,
+    Metric,
+    best,
+    header,
+    load_note,
+    number,
+    ratio,
+    roofline,
+    roofline_line,
+    rows,
+    status_text,
+)
 from .run import BenchResult
 
 BAR_H, GAP, LABEL_W, CHART_W, VALUE_W = 22, 6, 250, 560, 120

@@ -27,7 +27,7 @@ from . import ExportResult, output_file, summarize
 from .gguf_vocab import GgufVocab, read_vocab
 
 GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
-_ALIASES = {"float32": "f32", "fp32": "f32", "float16": "f16", "fp16": "f16", "half": "f16", "bfloat16": "bf16",
+GGUF_ALIASES = {"float32": "f32", "fp32": "f32", "float16": "f16", "fp16": "f16", "half": "f16", "bfloat16": "bf16",
             "q8": "q8_0"}
 _FROM_CHECKPOINT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
@@ -43,7 +43,7 @@ def require_gguf():
 def pick_gguf_dtype(dtype: str, spec: ModelSpec) -> str:
     if dtype == "auto":
         return _FROM_CHECKPOINT[spec.dtype]
-    d = _ALIASES.get(dtype.lower(), dtype.lower())
+    d = GGUF_ALIASES.get(dtype.lower(), dtype.lower())
     if d not in GGUF_DTYPES:
         raise InputError(f"unknown GGUF dtype '{dtype}' (choose from: auto, {', '.join(GGUF_DTYPES)})")
     return d

@@ -8,36 +8,21 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 from pathlib import Path
 
 import torch
 
 from ..compile import Model, open_model, pick_dtype
-from ..errors import InputError
 from ..models import build_graph, hf_architecture
 from ..models.spec import ModelSpec
 from ..params import TORCH_DTYPES, layout, materialize
+from ..units import parse_size
 from ..weights import Checkpoint, write_safetensors
 from . import ExportResult, copy_tokenizer, output_folder, summarize
 
 DEFAULT_MAX_SHARD = 5 * 10**9  # bytes, as transformers' "5GB"
 INDEX_NAME = "model.safetensors.index.json"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_size(text: str | int) -> int:
-    """`5GB`, `500MB`, `2GiB` or a byte count."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?I?B?)\s*", text.upper())
-    if not m or m.group(2) not in _UNITS:
-        raise InputError(f"cannot read '{text}' as a size", hint="write it like 5GB, 500MB or 2GiB")
-    size = int(float(m.group(1)) * _UNITS[m.group(2)])
-    if size < 1:
-        raise InputError(f"shard size must be positive, got '{text}'")
-    return size
 
 
 def rope_fields(spec: ModelSpec) -> dict:
