@@ -150,3 +150,64 @@ def test_no_color_when_piped_or_asked(checkpoints, tmp_path, monkeypatch):
     for env in ({}, {"NO_COLOR": "1"}):
         r = invoke("doctor", env=env)
         assert "\x1b[" not in r.stdout + r.stderr
+
+
+def assert_hint_follows(stderr: str) -> None:
+    lines = stderr.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("error:"))
+    assert lines[at + 1].startswith("hint:") and len(lines[at + 1]) > 8, stderr
+
+
+COMMANDS = {  # each command as a script would call it, with MODEL and OUT to fill in
+    "compile": ["compile", "MODEL"], "run": ["run", "MODEL", "-p", "Hello"], "verify": ["verify", "MODEL"],
+    "bench": ["bench", "MODEL", "--runs", "1", "--warmups", "0", "--compare", "none", "--backend", "torch"],
+    "export onnx": ["export", "onnx", "MODEL", "OUT"], "export hf": ["export", "hf", "MODEL", "OUT"],
+    "export gguf": ["export", "gguf", "MODEL", "OUT"],
+}
+BAD = {  # what is wrong -> (what to change, exit code, what the line says)
+    "unknown model": ({"MODEL": "no-such-model"}, 1, "no model 'no-such-model'"),
+    "missing folder": ({"MODEL": "/no/such/folder"}, 1, "no model '/no/such/folder'"),
+    "bad dtype": ({"--dtype": "float8"}, 2, "float8"),
+    "bad backend": ({"--backend": "tpu"}, None, "tpu"),
+    "unwritable cache": ({"LINNET_CACHE": "/proc/linnet-cache"}, 1, "not writable"),
+}
+
+
+# Exports take no backend and do not use the artifact cache: those pairs do not apply.
+PAIRS = [(c, b) for c in COMMANDS for b in BAD
+         if not (c.startswith("export") and b in ("bad backend", "unwritable cache"))]
+
+
+@pytest.mark.parametrize("command,bad", PAIRS)
+def test_every_command_with_bad_input(command, bad, tokenized_checkpoints, tmp_path, monkeypatch):
+    change, code, text = BAD[bad]
+    args = list(COMMANDS[command])
+    monkeypatch.setenv("LINNET_CACHE", change.get("LINNET_CACHE", str(tmp_path / "c")))
+    model = change.get("MODEL", str(tokenized_checkpoints["llama-gqa-untied"]))
+    args = [model if a == "MODEL" else str(tmp_path / "out") if a == "OUT" else a for a in args]
+    for flag in ("--dtype", "--backend"):
+        if flag in change:
+            if flag in args:
+                args[args.index(flag) + 1] = change[flag]
+            else:
+                args += [flag, change[flag]]
+    if "--backend" in change:  # a Typer choice (2), except bench, which takes lists (1)
+        code = 1 if command == "bench" else 2
+    if "--dtype" in change and command == "export gguf":
+        text = "float8"  # its own GGUF types: still a usage error naming the value
+    r = invoke(*args, env={"HF_HUB_OFFLINE": "1"})
+    lines = assert_one_line_error(r, code, text)
+    if code == 1:  # a LinnetError: its line, then a hint
+        assert_hint_follows(r.stderr)
+    artifacts = tmp_path / "c" / "artifacts"
+    assert not artifacts.exists() or not any(artifacts.iterdir()), lines
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["run", "verify"])
+def test_prompt_too_long_for_the_cache(command, tokenized_checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setenv("LINNET_CACHE", str(tmp_path / "c"))
+    r = invoke(command, tokenized_checkpoints["llama-gqa-untied"], "--prompt", "word " * 300, "--cache-len", "32")
+    assert_one_line_error(r, 1, "32")
+    assert "prompt" in r.stderr
+    assert_hint_follows(r.stderr)

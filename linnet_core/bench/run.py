@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ..compile import Model, compile_model, open_model, pick_dtype
-from ..errors import LinnetError
+from ..errors import CacheError, LinnetError
 from .machine import decode_bytes_per_step, environment, stream_bandwidth
 from .subjects import BASELINE, Method, Subject, why_missing
 
@@ -217,6 +217,8 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
             if side.status == "ok":
                 try:
                     side.extra = _prepare(side, m, dtype, method, workdir, reporter)
+                except CacheError:
+                    raise  # the machine's problem, not this side's: the bench cannot go on
                 except LinnetError as e:
                     side.fail(e.message)
         reporter.stage("measuring memory bandwidth")
