@@ -19,7 +19,7 @@ from .commands.verify import verify_command
 
 app = typer.Typer(
     name="linnet",
-    help="Compile, run and verify decoder-only LLM checkpoints on every stack, from one IR.",
+    help="Compile, run, verify, export and benchmark decoder-only LLM checkpoints on every stack, from one IR.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -38,7 +38,7 @@ def _root(
     version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
                                                     help="Print the version and exit.")] = None,
 ) -> None:
-    """Compile, run and verify decoder-only LLM checkpoints on every stack, from one IR."""
+    """Compile, run, verify, export and benchmark decoder-only LLM checkpoints on every stack, from one IR."""
 
 
 app.command("compile")(compile_command)

@@ -61,7 +61,9 @@ def man_page() -> str:
         ".SH DESCRIPTION",
         "Linnet reads a decoder-only checkpoint in Hugging Face layout (a folder, a repo id or a short",
         "name), builds one IR from it, and compiles that IR for a backend; artifacts are cached on disk",
-        "keyed by model, backend, dtype and cache length.",
+        "keyed by model, backend, dtype and cache length. Exports (Hugging Face safetensors, GGUF, ONNX)",
+        "are loaded back in their consumer and checked against the source before they appear; bench",
+        "measures every backend and the stacks they replace side by side.",
         ".SH COMMANDS",
     ]
     for name in root.commands:

@@ -1,0 +1,326 @@
+"""Continuous batching over a session's fixed KV-cache rows.
+
+Requests wait in a queue and are admitted into free rows; a prompt is prefilled in chunks of at
+most `prefill_chunk` tokens, one chunk per step, so a long prompt never stalls the decoding rows
+for long; every running row then advances together by one batched decode step. A request that
+finishes, stops or is cancelled frees its row at once. Each row's decode is the same computation
+as the row alone (the backends' batched decode is tested row-by-row identical), so a greedy
+answer does not depend on the load.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ..errors import InputError
+from ..runtime.sampling import Sampler, SamplingParams
+from ..runtime.session import Session
+from ..tokenizer import IncrementalDecoder, Tokenizer
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+class EngineFull(InputError):
+    """Too many requests are waiting; the caller should retry later (HTTP 429)."""
+
+    default_hint = "retry later, or raise the server's waiting limit"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class Delta:
+    """What one step added to a request's output; the last one carries the finish reason."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.submitted
+
+    def inter_token_s(self) -> list[float]:
+        return [b - a for a, b in itertools.pairwise(self.token_times)]
+
+
+class Handle:
+    """A submitted request: iterate it for its deltas (blocking), or poll `get`; `cancel` stops it."""
+
+    def __init__(self, rid: int, request: GenerationRequest):
+        self.id, self.request = rid, request
+        self.stats = RequestStats(prompt_tokens=len(request.prompt))
+        self.finish_reason: str | None = None
+        self._events: queue.Queue[Delta] = queue.Queue()
+        self._cancel = threading.Event()
+        self.on_delta = None  # optional callback(delta), called from the engine's thread
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def get(self, timeout: float | None = None) -> Delta:
+        return self._events.get(timeout=timeout)
+
+    def __iter__(self) -> Iterator[Delta]:
+        while True:
+            delta = self._events.get()
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
+    def result(self) -> tuple[str, list[int], str]:
+        """Block until done: (text, token ids, finish reason)."""
+        text, ids, reason = [], [], None
+        for d in self:
+            text.append(d.text)
+            ids += d.token_ids
+            reason = d.finish_reason
+        return "".join(text), ids, reason
+
+    def _push(self, delta: Delta) -> None:
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+        self._events.put(delta)
+        if self.on_delta is not None:
+            self.on_delta(delta)
+
+
+class _Active:
+    """A request in a cache row: where its prompt is, what it has produced, what is held back."""
+
+    def __init__(self, handle: Handle, row: int, tokenizer: Tokenizer | None):
+        self.handle, self.row = handle, row
+        self.sampler = Sampler(handle.request.sampling)
+        self.prefilled = 0  # prompt tokens already in the cache
+        self.position = 0  # where the next token goes
+        self.last: int | None = None  # the token to feed next
+        self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+        self.held = ""  # text that might be the start of a stop string
+
+
+class Engine:
+    """The scheduler. `start()` runs it in a thread; `step()` is one iteration, for tests and callers
+    that drive it themselves."""
+
+    def __init__(self, session: Session, tokenizer: Tokenizer | None = None, eos_ids: set[int] | None = None,
+                 prefill_chunk: int = 256, max_waiting: int = 1024):
+        self.session, self.tokenizer = session, tokenizer
+        self.rows, self.cache_len = session.rows, session.cache_len
+        self.eos_ids = set(eos_ids if eos_ids is not None else (tokenizer.eos_ids if tokenizer else ()))
+        self.prefill_chunk, self.max_waiting = prefill_chunk, max_waiting
+        self._waiting: deque[Handle] = deque()
+        self._active: dict[int, _Active] = {}  # row -> request
+        self._free = list(range(self.rows))[::-1]
+        self._ids = itertools.count(1)
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = self._abort = False
+        self.metrics = {"requests_total": 0, "requests_finished": 0, "tokens_generated": 0,
+                        "ttft_s": [], "inter_token_s": []}
+
+    # -- requests ---------------------------------------------------------------------------
+    def validate(self, request: GenerationRequest) -> None:
+        if not request.prompt:
+            raise InputError("the prompt is empty")
+        if request.max_tokens < 1:
+            raise InputError(f"max_tokens must be at least 1, got {request.max_tokens}")
+        if len(request.prompt) + request.max_tokens > self.cache_len:
+            raise InputError(f"the prompt ({len(request.prompt)} tokens) and max_tokens ({request.max_tokens}) need "
+                             f"{len(request.prompt) + request.max_tokens} positions; a cache row holds {self.cache_len}",
+                             hint="shorten the prompt or lower max_tokens")
+        vocab = self.session.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt):
+            raise InputError(f"prompt token ids must be in [0, {vocab})")
+
+    def submit(self, request: GenerationRequest) -> Handle:
+        self.validate(request)
+        with self._wake:
+            if self._stopping:
+                raise EngineFull("the server is shutting down", hint="retry against another replica")
+            if len(self._waiting) >= self.max_waiting:
+                raise EngineFull(f"{len(self._waiting)} requests are already waiting")
+            handle = Handle(next(self._ids), request)
+            self._waiting.append(handle)
+            self.metrics["requests_total"] += 1
+            self._wake.notify()
+        return handle
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._active)
+
+    def idle(self) -> bool:
+        return not self._waiting and not self._active
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Admit, prefill one chunk, decode every running row once. False when there was nothing to do."""
+        if self._abort:
+            for h in list(self._waiting) + [a.handle for a in self._active.values()]:
+                h.cancel()
+        for a in [a for a in self._active.values() if a.handle.cancelled]:
+            self._finish(a, "cancelled")  # its row is free for the admissions just below
+        with self._wake:
+            for h in [h for h in self._waiting if h.cancelled]:
+                self._waiting.remove(h)
+                h._push(Delta("", [], "cancelled"))
+            while self._waiting and self._free:
+                row = self._free.pop()
+                self._active[row] = _Active(self._waiting.popleft(), row, self.tokenizer)
+        if not self._active:
+            return False
+        self._prefill_one_chunk()
+        decoding = [a for a in self._active.values() if a.last is not None]
+        if decoding:
+            self._decode(decoding)
+        return True
+
+    def _prefill_one_chunk(self) -> None:
+        pending = [a for a in self._active.values() if a.prefilled < len(a.handle.request.prompt)]
+        if not pending:
+            return
+        a = min(pending, key=lambda x: x.handle.id)  # oldest first
+        prompt = a.handle.request.prompt
+        chunk = prompt[a.prefilled:a.prefilled + self.prefill_chunk]
+        last = a.prefilled + len(chunk) == len(prompt)
+        try:
+            # Only the last chunk's token is used: sampling an earlier one would advance the
+            # request's seeded generator and change what it samples later.
+            out = self.session.prefill(chunk, slot=a.row, start=a.prefilled, sampler=a.sampler if last else None)
+        except Exception as e:  # noqa: BLE001 - this request fails; the others go on
+            self._finish(a, "error", f"{type(e).__name__}: {e}")
+            return
+        a.prefilled += len(chunk)
+        if last:
+            a.position = len(prompt)
+            self._emit(a, out.tokens[0])
+
+    def _decode(self, rows: list[_Active]) -> None:
+        try:
+            out = self.session.decode([a.last for a in rows], [a.position for a in rows], [a.row for a in rows],
+                                      samplers=[a.sampler for a in rows])
+        except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
+            for a in rows:
+                self._finish(a, "error", f"{type(e).__name__}: {e}")
+            return
+        for a, token in zip(rows, out.tokens, strict=True):
+            a.position += 1
+            self._emit(a, token)
+
+    def _emit(self, a: _Active, token: int) -> None:
+        req, st = a.handle.request, a.handle.stats
+        now = time.perf_counter()
+        if (token in self.eos_ids and not req.ignore_eos) or token in req.stop_token_ids:
+            self._finish(a, "stop")
+            return
+        st.completion_tokens += 1
+        st.token_times.append(now)
+        if st.first_token is None:
+            st.first_token = now
+        self.metrics["tokens_generated"] += 1
+        a.last = token
+        text = a.held + (a.decoder.push(token) if a.decoder else "")
+        cut = _first_stop(text, req.stop)
+        if cut is not None:
+            a.handle._push(Delta(text[:cut], [token]))
+            self._finish(a, "stop")
+            return
+        keep = _stop_prefix_len(text, req.stop)
+        a.held = text[len(text) - keep:] if keep else ""
+        a.handle._push(Delta(text[:len(text) - keep], [token]))
+        if st.completion_tokens >= req.max_tokens or a.position >= self.cache_len:
+            self._finish(a, "length")
+
+    def _finish(self, a: _Active, reason: str, error: str | None = None) -> None:
+        tail = a.held + (a.decoder.flush() if a.decoder and reason == "length" else "")
+        if reason == "length" and a.handle.request.stop:
+            cut = _first_stop(tail, a.handle.request.stop)
+            tail = tail if cut is None else tail[:cut]
+        self._active.pop(a.row, None)
+        with self._wake:
+            self._free.append(a.row)
+        st = a.handle.stats
+        self.metrics["requests_finished"] += 1
+        if st.ttft_s is not None:
+            self.metrics["ttft_s"].append(st.ttft_s)
+        self.metrics["inter_token_s"] += st.inter_token_s()
+        a.handle._push(Delta(tail if reason == "length" else "", [], reason, error))
+
+    # -- a thread of its own ----------------------------------------------------------------
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="linnet-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._waiting and not self._active and not self._stopping:
+                    self._wake.wait()
+                if self._stopping and not self._waiting and not self._active:
+                    return
+            self.step()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Refuse new requests, let those in flight finish for up to `timeout`, cancel the rest."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        deadline = time.monotonic() + timeout
+        while not self.idle() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with self._wake:
+            self._abort = True  # the loop cancels whatever is left (it alone touches the rows)
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=max(1.0, deadline - time.monotonic() + 5))
+            self._thread = None
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(found) if found else None
+
+
+def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that could still grow into a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
