@@ -15,6 +15,7 @@ from .commands.doctor import doctor_command
 from .commands.export import export_app
 from .commands.models import models_command
 from .commands.run import run_command
+from .commands.serve import serve_command
 from .commands.verify import verify_command
 
 app = typer.Typer(
@@ -46,6 +47,7 @@ app.command("run")(run_command)
 app.command("verify")(verify_command)
 app.add_typer(export_app, name="export")
 app.command("bench")(bench_command)
+app.command("serve")(serve_command)
 app.command("doctor")(doctor_command)
 app.command("models")(models_command)
 app.add_typer(cache_app, name="cache")

@@ -77,7 +77,16 @@ class Handle:
         self.finish_reason: str | None = None
         self._events: queue.Queue[Delta] = queue.Queue()
         self._cancel = threading.Event()
-        self.on_delta = None  # optional callback(delta), called from the engine's thread
+        self._lock = threading.Lock()
+        self._callback = None
+
+    def subscribe(self, callback) -> None:
+        """Deliver every delta (those already produced first) to `callback(delta)` instead of the
+        queue; it runs in the engine's thread."""
+        with self._lock:
+            while not self._events.empty():
+                callback(self._events.get_nowait())
+            self._callback = callback
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -108,9 +117,11 @@ class Handle:
     def _push(self, delta: Delta) -> None:
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
-        self._events.put(delta)
-        if self.on_delta is not None:
-            self.on_delta(delta)
+        with self._lock:
+            if self._callback is not None:
+                self._callback(delta)
+            else:
+                self._events.put(delta)
 
 
 class _Active:
