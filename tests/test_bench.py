@@ -144,3 +144,25 @@ def test_screenshot_in_headless_chromium(full_run, tmp_path):
     subprocess.run([sys.executable, str(ROOT / "scripts" / "screenshot_page.py"), str(page), str(png)], check=True,
                    timeout=180)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_serving_bench_json_and_page(tokenized_checkpoints, tmp_path):
+    """`--serving` on a tiny model: every target completes every request, with latencies and a page."""
+    out = tmp_path / "serving.json"
+    r = invoke("bench", tokenized_checkpoints["qwen2-bias-tied"], "--serving", "--requests", "12", "--prompt-range",
+               "4-20", "--new-tokens", "6", "--concurrency", "4", "--rows", "4", "--save", out,
+               "--html", tmp_path / "serving.html", "--markdown")
+    assert r.exit_code == 0, r.stderr
+    assert "not a steady state" in r.stderr  # 12 requests at 4 in flight
+    data = json.loads(out.read_text())
+    assert [t["target"] for t in data["targets"]] == ["sequential", "engine", "http"]
+    for t in data["targets"]:
+        assert t["failed"] == 0 and t["output_tokens"] == 12 * 6, t
+        for key in ("output_tok_s", "request_s", "ttft_ms_median", "ttft_ms_p99", "tpot_ms_median", "itl_ms_p99",
+                    "e2e_ms_median", "e2e_ms_p99", "peak_memory_bytes"):
+            assert t[key] is not None and t[key] > 0, (t["target"], key)
+    assert data["targets"][0]["speedup"] == 1.0
+    page = _Page()
+    page.feed((tmp_path / "serving.html").read_text())
+    assert page.svgs == 4 and page.rows == 4 and page.links == []
+    assert "| linnet serve, over HTTP |" in r.stdout

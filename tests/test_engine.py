@@ -26,8 +26,8 @@ def model(tokenized_checkpoints):
     return batched, alone, Tokenizer(path)
 
 
-def run_alone(session, prompt, n, params=SamplingParams()):
-    gen = Generation(session, prompt, n, sampler=Sampler(params))
+def run_alone(session, prompt, n, params=None):
+    gen = Generation(session, prompt, n, sampler=Sampler(params or SamplingParams()))
     return list(gen)
 
 

@@ -49,6 +49,21 @@ def bench_command(
                                                  show_default=False)] = None,
     workdir: Annotated[Optional[Path], typer.Option("--workdir", help="Keep exports and worker logs here.",
                                                     show_default=False)] = None,
+    serving: Annotated[bool, typer.Option("--serving", help="Measure serving many requests at once instead "
+                                          "(the engine in-process, over HTTP, and one at a time).")] = False,
+    requests: Annotated[int, typer.Option("--requests", help="--serving: requests to send.")] = 256,
+    prompt_range: Annotated[str, typer.Option("--prompt-range", help="--serving: prompt lengths, MIN-MAX.")]
+    = "128-512",
+    concurrency: Annotated[int, typer.Option("--concurrency", help="--serving: most requests in flight.")] = 64,
+    rate: Annotated[Optional[float], typer.Option("--rate", help="--serving: Poisson arrivals, requests/s "
+                                                  "(default: all at once).")] = None,
+    rows: Annotated[int, typer.Option("--rows", help="--serving: cache rows of the engine.")] = 64,
+    target: Annotated[Optional[list[str]], typer.Option(
+        "--target", help="--serving: sequential, engine, http (default: all three).")] = None,
+    url: Annotated[Optional[str], typer.Option("--url", help="--serving: also measure this OpenAI-compatible "
+                                               "server (vLLM, llama-server, ...).")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LINNET_API_KEY",
+                                                   help="--serving: the --url server's key.")] = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -75,6 +90,10 @@ def bench_command(
                 raise InputError(f"cannot write {path}: {e.strerror}") from None
             if path.is_dir():
                 raise InputError(f"{path} is a folder; give the name of the file to write")
+    if serving:
+        _serving(sink, model, backend, dtype, new_tokens, requests, prompt_range, concurrency, rate, rows, target,
+                 url, api_key, html, save, markdown, json)
+        return
     method = Method(prompt_tokens, new_tokens, batch, runs, warmups, dtype, cache_len)
     subjects = pick(_names(backend, BACKEND_NAMES, "all"), _names(compare, tuple(COMPARATORS), "all"))
     reporter = _progress(sink)
@@ -146,3 +165,45 @@ class _progress:
             self.bar.stop()
             self.bar = None
 
+
+
+def _serving(sink: Sink, model, backend, dtype, new_tokens, requests, prompt_range, concurrency, rate, rows, target,
+             url, api_key, html, save, markdown, json) -> None:
+    import json as jsonlib
+
+    from linnet_core.bench.serving import Workload, bench_serving
+    from linnet_core.errors import InputError
+
+    try:
+        low, high = (int(x) for x in prompt_range.split("-"))
+    except ValueError:
+        raise InputError(f"cannot read --prompt-range '{prompt_range}'", hint="write it like 128-512") from None
+    names = _names(backend, (), "torch")
+    if len(names) != 1:
+        raise InputError("--serving measures one backend at a time: give one --backend")
+    targets = tuple(_names(target, ("sequential", "engine", "http"), "all"))
+    unknown = [t for t in targets if t not in ("sequential", "engine", "http")]
+    if unknown:
+        raise InputError(f"unknown target '{unknown[0]}' (choose from: sequential, engine, http; --url for others)")
+    workload = Workload(requests, low, high, new_tokens, concurrency, rate)
+    if not workload.steady:
+        sink.info(f"note: {requests} requests at {concurrency} in flight is not a steady state "
+                  f"(at least {5 * concurrency} are needed)")
+    result = bench_serving(model, workload, names[0], dtype, rows, targets, url, api_key, progress=sink.info)
+    if save is not None:
+        save.write_text(jsonlib.dumps(result, indent=2) + "\n", encoding="utf-8")
+    if html is not None:
+        from linnet_core.bench.page import render_serving
+
+        html.write_text(render_serving(result), encoding="utf-8")
+        sink.info(f"wrote {html}")
+    if json:
+        sink.data("", result)
+    elif markdown:
+        from linnet_core.bench.serving import markdown as to_markdown
+
+        sys.stdout.write(to_markdown(result))
+    elif not sink.quiet:
+        from linnet_core.bench.serving import rich_table
+
+        sink.out.print(rich_table(result))

@@ -51,6 +51,19 @@ def decode_bytes_per_step(spec: ModelSpec, dtype_bytes: int, mean_position: floa
     return weights + kv
 
 
+def peak_rss(pid: int | str = "self") -> int | None:
+    """A process's own high-water RSS (VmHWM), None where /proc is not there. Not getrusage's
+    ru_maxrss: Linux carries a parent's peak across fork and exec into its children."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -153,3 +153,30 @@ Peak memory is {escape(_memory_source(rs))}.</p>
 def _memory_source(rs: list[dict]) -> str:
     sources = sorted({r["memory_source"] for r in rs if r.get("memory_source")})
     return ", ".join(sources) or "not measured"
+
+
+def render_serving(result: dict) -> str:
+    """The serving bench as a page: a chart per headline metric and the table of every number."""
+    from . import serving
+
+    rows_ = [{**r, "status": "ok" if not r["failed"] else "failed", "stack": "Serving many requests",
+              "linnet": r["target"] != "url", "key": r["target"]} for r in result["targets"]]
+    metrics = (Metric("output_tok_s", "Serving throughput", "tok/s", True),
+               Metric("ttft_ms_median", "Time to first token, median", "ms", False),
+               Metric("itl_ms_median", "Inter-token latency, median", "ms", False),
+               Metric("e2e_ms_p99", "End to end, p99", "ms", False))
+    charts = "".join(f"<h2>{escape(m.title)}</h2><p class=\"sub\">{escape(m.unit)}, "
+                     f"{'higher' if m.higher_is_better else 'lower'} is better; the best bar is red.</p>{chart(rows_, m)}"
+                     for m in metrics)
+    head = "<tr><th>target</th>" + "".join(f"<th>{escape(c[0])}</th>" for c in serving.COLUMNS) + "</tr>"
+    body = "".join("<tr><td>" + escape(r["label"]) + "</td>" +
+                   "".join(f"<td>{escape(serving.cell(r, k, f))}</td>" for _, k, f in serving.COLUMNS) + "</tr>"
+                   for r in result["targets"])
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>Linnet serving bench · {escape(result['model'])}</title>
+<style>{STYLE}</style></head><body>
+<p class="sub">Linnet serving bench</p><h1>{escape(result['model'].rstrip('/').split('/')[-1])}</h1>
+<p class="sub">{escape(serving.header(result))} · measured {escape(result['environment']['date'])}</p>
+<p class="env">{escape(describe(result['environment']))}</p>
+{charts}<h2>Every number</h2><table>{head}{body}</table></body></html>
+"""

@@ -58,14 +58,11 @@ class MemoryWatch:
 
     @staticmethod
     def peak_rss() -> int:
-        """This process's own high-water RSS. Not getrusage's ru_maxrss: Linux carries the parent's
-        peak across fork and exec into it, so every worker would report at least the parent's."""
-        try:
-            for line in open("/proc/self/status"):
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
+        from .machine import peak_rss
+
+        peak = peak_rss()
+        if peak is not None:
+            return peak
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

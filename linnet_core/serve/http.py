@@ -14,7 +14,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Request  # at module level: the handlers' annotations are resolved from here
+from fastapi import (
+    Request,  # at module level: the handlers' annotations are resolved from here
+)
 
 from ..errors import InputError, LinnetError
 from ..runtime.sampling import SamplingParams

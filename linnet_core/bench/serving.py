@@ -1,0 +1,337 @@
+"""`linnet bench --serving`: many requests at once, against the engine in-process, over HTTP, or any
+OpenAI-compatible server (`--url`: vLLM, llama-server, another `linnet serve`).
+
+N requests with prompt lengths drawn from a range (random token ids), a fixed number of new tokens
+with end-of-sequence ignored, at most C in flight, optionally arriving as a Poisson process. The
+baseline is the same requests one after another through `linnet run`'s generation loop, so the
+speed-up is what continuous batching buys. Steady state needs at least ~5x as many requests as
+the concurrency; the report says so when a run has fewer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..errors import InputError
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: int = 256
+    prompt_min: int = 128
+    prompt_max: int = 512
+    new_tokens: int = 128
+    concurrency: int = 64
+    rate: float | None = None  # requests/s, Poisson arrivals; None = all at once (bounded by concurrency)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.requests < 1 or self.concurrency < 1 or self.new_tokens < 1:
+            raise InputError("--requests, --concurrency and --new-tokens must be at least 1")
+        if not 1 <= self.prompt_min <= self.prompt_max:
+            raise InputError(f"bad prompt range {self.prompt_min}-{self.prompt_max}")
+        if self.rate is not None and self.rate <= 0:
+            raise InputError(f"--rate must be positive, got {self.rate}")
+
+    @property
+    def steady(self) -> bool:
+        return self.requests >= 5 * self.concurrency
+
+    def prompts(self, vocab: int) -> list[list[int]]:
+        rng = np.random.default_rng(self.seed)
+        lengths = rng.integers(self.prompt_min, self.prompt_max + 1, self.requests)
+        return [rng.integers(0, vocab, int(n)).tolist() for n in lengths]
+
+    def describe(self) -> str:
+        arrival = f"Poisson at {self.rate:g} req/s" if self.rate else "all at once"
+        return (f"{self.requests} requests of {self.prompt_min}-{self.prompt_max} prompt tokens and "
+                f"{self.new_tokens} new, at most {self.concurrency} in flight, {arrival}")
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    start: float
+    token_times: list[float] = field(default_factory=list)
+    end: float = 0.0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.start if self.token_times else None
+
+    @property
+    def tpot(self) -> float | None:
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(name: str, results: list[RequestResult], wall: float, workload: Workload,
+              peak_memory: int | None = None, note: str = "") -> dict:
+    ok = [r for r in results if r.ok]
+    tokens = sum(len(r.token_times) for r in ok)
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    tpot = [r.tpot for r in ok if r.tpot is not None]
+    itl = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
+    e2e = [r.end - r.start for r in ok]
+    ms = 1000.0
+    row = {"target": name, "requests": len(results), "failed": len(results) - len(ok), "output_tokens": tokens,
+           "wall_s": wall, "output_tok_s": tokens / wall if wall else None, "request_s": len(ok) / wall if wall else None,
+           "peak_memory_bytes": peak_memory, "note": note,
+           "errors": sorted({r.error for r in results if r.error})[:5]}
+    for key, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
+        row[f"{key}_ms_median"] = _pct(values, 50) * ms if values else None
+        row[f"{key}_ms_p99"] = _pct(values, 99) * ms if values else None
+    return row
+
+
+async def _paced(workload: Workload, prompts: list[list[int]], one) -> tuple[list[RequestResult], float]:
+    """Run `one(prompt)` for every prompt: at most `concurrency` at once, arriving as the workload says."""
+    sem = asyncio.Semaphore(workload.concurrency)
+    rng = np.random.default_rng(workload.seed + 1)
+    t0 = time.perf_counter()
+
+    async def guarded(i: int, prompt: list[int], delay: float) -> RequestResult:
+        await asyncio.sleep(delay)
+        async with sem:
+            return await one(prompt)
+
+    delays = np.cumsum(rng.exponential(1 / workload.rate, len(prompts))) if workload.rate else [0.0] * len(prompts)
+    results = await asyncio.gather(*(guarded(i, p, float(d)) for i, (p, d) in enumerate(zip(prompts, delays))))
+    return list(results), time.perf_counter() - t0
+
+
+def run_in_process(engine, workload: Workload, prompts: list[list[int]]) -> tuple[list[RequestResult], float]:
+    """Against an Engine in this process (started here), as the HTTP face drives it."""
+    from ..serve.engine import GenerationRequest
+
+    async def one(prompt: list[int]) -> RequestResult:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        res = RequestResult(True, time.perf_counter())
+        try:
+            handle = engine.submit(GenerationRequest(prompt, workload.new_tokens, ignore_eos=True))
+        except InputError as e:
+            return RequestResult(False, res.start, error=e.message)
+        handle.subscribe(lambda d: loop.call_soon_threadsafe(q.put_nowait, (time.perf_counter(), d)))
+        while True:
+            at, d = await q.get()
+            res.token_times += [at] * len(d.token_ids)
+            if d.finish_reason is not None:
+                res.ok, res.error, res.end = d.finish_reason == "length", d.error, at
+                return res
+
+    engine.start()
+    return asyncio.run(_paced(workload, prompts, one))
+
+
+def run_http(url: str, workload: Workload, prompts: list[list[int]], model: str | None = None,
+             api_key: str | None = None) -> tuple[list[RequestResult], float]:
+    """Against any OpenAI-compatible server: streamed /v1/completions with the prompt as token ids."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def main():
+        limits = httpx.Limits(max_connections=workload.concurrency + 8)
+        async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=600, limits=limits) as client:
+            name = model or (await client.get("/v1/models")).json()["data"][0]["id"]
+
+            async def one(prompt: list[int]) -> RequestResult:
+                res = RequestResult(True, time.perf_counter())
+                body = {"model": name, "prompt": prompt, "max_tokens": workload.new_tokens, "stream": True,
+                        "ignore_eos": True, "temperature": 0, "min_tokens": workload.new_tokens}
+                try:
+                    async with client.stream("POST", "/v1/completions", json=body) as r:
+                        if r.status_code != 200:
+                            await r.aread()
+                            return RequestResult(False, res.start, end=time.perf_counter(),
+                                                 error=f"HTTP {r.status_code}: {r.text[:200]}")
+                        async for line in r.aiter_lines():
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            chunk = json.loads(line[6:])
+                            choice = (chunk.get("choices") or [{}])[0]
+                            now = time.perf_counter()
+                            if choice.get("finish_reason") is None:  # one chunk per token
+                                res.token_times.append(now)
+                            elif chunk.get("usage"):  # the closing chunk: its count settles the total
+                                missing = chunk["usage"]["completion_tokens"] - len(res.token_times)
+                                res.token_times += [now] * max(0, missing)
+                            elif choice.get("text"):  # no usage: a closing chunk with text is a token
+                                res.token_times.append(now)
+                except httpx.HTTPError as e:
+                    return RequestResult(False, res.start, end=time.perf_counter(), error=type(e).__name__)
+                res.end = time.perf_counter()
+                return res
+
+            return await _paced(workload, prompts, one)
+
+    return asyncio.run(main())
+
+
+def run_sequential(session, workload: Workload, prompts: list[list[int]]) -> tuple[list[RequestResult], float]:
+    """The baseline: the same requests one after another through `linnet run`'s generation loop."""
+    from ..runtime.generate import Generation
+
+    results, t0 = [], time.perf_counter()
+    for prompt in prompts:
+        res = RequestResult(True, time.perf_counter())
+        for _ in Generation(session, prompt, workload.new_tokens):
+            res.token_times.append(time.perf_counter())
+        res.end = time.perf_counter()
+        results.append(res)
+    return results, time.perf_counter() - t0
+
+
+def report_rows(rows: list[dict], baseline: str = "sequential") -> list[dict]:
+    base = next((r for r in rows if r["target"] == baseline), None)
+    for r in rows:
+        r["speedup"] = (r["output_tok_s"] / base["output_tok_s"]) if base and base["output_tok_s"] and \
+            r["output_tok_s"] else None
+    return rows
+
+
+def to_json(workload: Workload, rows: list[dict], env: dict, model: str, backend: str, rows_n: int) -> dict:
+    return {"model": model, "backend": backend, "rows": rows_n, "workload": asdict(workload),
+            "steady_state": workload.steady, "environment": env, "targets": rows}
+
+
+
+LABELS = {"engine": "linnet.serve, in-process", "http": "linnet serve, over HTTP", "sequential": "one at a time (linnet run)",
+          "url": "OpenAI-compatible server at --url"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(model: str, backend: str, dtype: str, rows: int, cache_len: int) -> tuple[subprocess.Popen, str]:
+    """`linnet serve` in a process of its own, ready to take requests."""
+    import httpx
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "linnet_cli", "serve", model, "--backend", backend, "--dtype", dtype,
+                             "--rows", str(rows), "--cache-len", str(cache_len), "--port", str(port), "--quiet",
+                             "--max-waiting", "100000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 1800
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise InputError(f"linnet serve exited: {(proc.stderr.read() or '').strip().splitlines()[-1:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.kill()
+    raise InputError("linnet serve did not become ready")
+
+
+def bench_serving(model, workload: Workload, backend: str = "torch", dtype: str = "auto", rows: int = 8,
+                  targets: tuple[str, ...] = ("sequential", "engine", "http"), url: str | None = None,
+                  api_key: str | None = None, progress=lambda text: None) -> dict:
+    from ..compile import load_model, open_model, pick_dtype
+    from ..serve.engine import Engine
+    from .machine import environment, peak_rss
+
+    m = open_model(model) if not hasattr(model, "spec") else model
+    dt = pick_dtype(dtype, m.spec)
+    cache_len = workload.prompt_max + workload.new_tokens
+    prompts = workload.prompts(m.spec.vocab_size)
+    rows_out = []
+    for target in targets:
+        progress(f"serving bench: {LABELS[target]}")
+        if target == "sequential":
+            session, _ = load_model(m, backend, dt, cache_len, rows=1)
+            results, wall = run_sequential(session, workload, prompts)
+            rows_out.append(summarize("sequential", results, wall, workload, peak_rss(), "peak RSS of this process"))
+        elif target == "engine":
+            session, _ = load_model(m, backend, dt, cache_len, rows=rows)
+            engine = Engine(session, None, prefill_chunk=256, max_waiting=workload.requests + 1)
+            try:
+                results, wall = run_in_process(engine, workload, prompts)
+            finally:
+                engine.stop(timeout=5)
+            rows_out.append(summarize("engine", results, wall, workload, peak_rss(), "peak RSS of this process"))
+        elif target == "http":
+            proc, server = _start_server(str(m.path), backend, dt, rows, cache_len)
+            try:
+                results, wall = run_http(server, workload, prompts)
+                peak = peak_rss(proc.pid)
+            finally:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=60)
+                proc.stderr.close()
+            rows_out.append(summarize("http", results, wall, workload, peak, "peak RSS of the server process"))
+    if url:
+        progress(f"serving bench: {url}")
+        results, wall = run_http(url, workload, prompts, api_key=api_key)
+        rows_out.append(summarize("url", results, wall, workload, None, url))
+    for r in rows_out:
+        r["label"] = LABELS[r["target"]] if r["target"] != "url" else url
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return to_json(workload, report_rows(rows_out), environment(device), str(m.resolved.name), backend, rows)
+
+
+COLUMNS = (("output tok/s", "output_tok_s", "{:,.1f}"), ("speed-up", "speedup", "{:.2f}×"),
+           ("req/s", "request_s", "{:.2f}"), ("TTFT med", "ttft_ms_median", "{:,.0f} ms"),
+           ("TTFT p99", "ttft_ms_p99", "{:,.0f} ms"), ("TPOT med", "tpot_ms_median", "{:,.1f} ms"),
+           ("ITL med", "itl_ms_median", "{:,.1f} ms"), ("ITL p99", "itl_ms_p99", "{:,.1f} ms"),
+           ("e2e med", "e2e_ms_median", "{:,.0f} ms"), ("e2e p99", "e2e_ms_p99", "{:,.0f} ms"),
+           ("failed", "failed", "{}"), ("peak memory", "peak_memory_bytes", "{}"))
+
+
+def cell(row: dict, key: str, fmt: str) -> str:
+    v = row.get(key)
+    if v is None:
+        return "–"
+    if key == "peak_memory_bytes":
+        return f"{v / 2**30:.2f} GiB"
+    return fmt.format(v)
+
+
+def header(result: dict) -> str:
+    w = Workload(**result["workload"])
+    steady = "" if result["steady_state"] else " (fewer than 5× the concurrency: not a steady state)"
+    return f"{result['model']} · {result['backend']}, {result['rows']} rows · {w.describe()}{steady}"
+
+
+def markdown(result: dict) -> str:
+    lines = [f"**{header(result)}**", "", "| target | " + " | ".join(c[0] for c in COLUMNS) + " |",
+             "|---|" + "---:|" * len(COLUMNS)]
+    for r in result["targets"]:
+        lines.append(f"| {r['label']} | " + " | ".join(cell(r, k, f) for _, k, f in COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def rich_table(result: dict):
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=escape(header(result)), title_justify="left")
+    table.add_column("target", no_wrap=True)
+    for name, _, _ in COLUMNS:
+        table.add_column(name, justify="right", no_wrap=True)
+    for r in result["targets"]:
+        table.add_row(escape(r["label"]), *(cell(r, k, f) for _, k, f in COLUMNS))
+    return table
