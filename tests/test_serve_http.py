@@ -7,7 +7,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from linnet_core.compile import load_model  # noqa: E402
 from linnet_core.runtime.generate import Generation  # noqa: E402
+from linnet_core.serve import free_port  # noqa: E402
 from linnet_core.serve.engine import Engine  # noqa: E402
 from linnet_core.serve.http import Limits, Server, create_app  # noqa: E402
 from linnet_core.tokenizer import Tokenizer  # noqa: E402
@@ -27,12 +27,6 @@ from linnet_core.tokenizer import Tokenizer  # noqa: E402
 CASE = "qwen2-bias-tied"
 CACHE = 128
 KEY = "sk-test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

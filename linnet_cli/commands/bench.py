@@ -59,7 +59,8 @@ def bench_command(
                                                   "(default: all at once).")] = None,
     rows: Annotated[int, typer.Option("--rows", help="--serving: cache rows of the engine.")] = 64,
     target: Annotated[Optional[list[str]], typer.Option(
-        "--target", help="--serving: sequential, engine, http (default: all three).")] = None,
+        "--target", help="--serving: sequential, engine, http, triton (default: the first three; triton "
+                         "sets up a local tritonserver from the nvidia-pytriton wheel once).")] = None,
     url: Annotated[Optional[str], typer.Option("--url", help="--serving: also measure this OpenAI-compatible "
                                                "server (vLLM, llama-server, ...).")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LINNET_API_KEY",
@@ -171,7 +172,7 @@ def _serving(sink: Sink, model, backend, dtype, new_tokens, requests, prompt_ran
              url, api_key, html, save, markdown, json) -> None:
     import json as jsonlib
 
-    from linnet_core.bench.serving import Workload, bench_serving
+    from linnet_core.bench.serving import TARGETS, Workload, bench_serving
     from linnet_core.errors import InputError
 
     try:
@@ -182,9 +183,9 @@ def _serving(sink: Sink, model, backend, dtype, new_tokens, requests, prompt_ran
     if len(names) != 1:
         raise InputError("--serving measures one backend at a time: give one --backend")
     targets = tuple(_names(target, ("sequential", "engine", "http"), "all"))
-    unknown = [t for t in targets if t not in ("sequential", "engine", "http")]
+    unknown = [t for t in targets if t not in TARGETS]
     if unknown:
-        raise InputError(f"unknown target '{unknown[0]}' (choose from: sequential, engine, http; --url for others)")
+        raise InputError(f"unknown target '{unknown[0]}' (choose from: {', '.join(TARGETS)}; --url for others)")
     workload = Workload(requests, low, high, new_tokens, concurrency, rate)
     if not workload.steady:
         sink.info(f"note: {requests} requests at {concurrency} in flight is not a steady state "

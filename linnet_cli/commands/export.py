@@ -10,7 +10,7 @@ from rich.markup import escape
 
 from linnet_core.units import format_size
 
-from ..options import CacheLenOpt, DtypeOpt, JsonOpt, ModelArg, QuietOpt, RevisionOpt
+from ..options import BackendName, BackendOpt, CacheLenOpt, DtypeOpt, JsonOpt, ModelArg, QuietOpt, RevisionOpt
 from ..output import Sink, handle_errors
 
 export_app = typer.Typer(help="Export a model for another runtime.", no_args_is_help=True)
@@ -124,3 +124,30 @@ def export_gguf_command(
     sink.info(f"exporting {model} as GGUF ({dtype})...")
     result = export_gguf(model, out, dtype, force, revision, check=not no_check, consumer=check_with)
     _report(sink, result, {"format": "gguf", "dtype": dtype})
+
+
+@export_app.command("triton")
+@handle_errors
+def export_triton_command(
+    model: ModelArg,
+    out: OutArg,
+    backend: BackendOpt = BackendName.torch,
+    dtype: DtypeOpt = "auto",
+    rows: Annotated[int, typer.Option("--rows", min=1, help="KV-cache rows: requests decoded together.")] = 8,
+    cache_len: CacheLenOpt = None,
+    name: Annotated[Optional[str], typer.Option("--name", help="Model name in the repository.")] = None,
+    env: Annotated[Optional[Path], typer.Option(
+        "--env", help="Python environment Triton runs the model in (linnet installed, numpy < 2); "
+                      "written as EXECUTION_ENV_PATH.", show_default=False)] = None,
+    force: ForceOpt = False,
+    json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """A Triton Inference Server model repository: OUT/NAME/config.pbtxt (python backend, decoupled,
+    text_input / max_tokens / stream / sampling_parameters in, text_output / finish_reason out) and
+    OUT/NAME/1/model.py, which runs the same continuous-batching engine as `linnet serve`."""
+    from linnet_core.serve.triton import export_triton
+
+    sink = Sink(json, quiet)
+    result = export_triton(model, out, backend.value, dtype, rows, cache_len, name, env, force)
+    _report(sink, result, {"format": "triton", "backend": backend.value, "dtype": dtype})

@@ -64,6 +64,29 @@ def peak_rss(pid: int | str = "self") -> int | None:
     return None
 
 
+def tree_peak_rss(pid: int) -> int | None:
+    """Peak RSS of a process and its descendants, summed (a bound: their peaks need not coincide).
+    Triton runs a Python model in a stub process beneath the server."""
+    def children(p: int) -> list[int]:
+        out = []
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+        return out
+
+    total, todo, seen = 0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        total += peak_rss(p) or 0
+        todo += children(p)
+    return total or None
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

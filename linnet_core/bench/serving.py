@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -184,6 +184,39 @@ def run_http(url: str, workload: Workload, prompts: list[list[int]], model: str 
     return asyncio.run(main())
 
 
+def run_triton(url: str, name: str, workload: Workload, texts: list[str]) -> tuple[list[RequestResult], float]:
+    """Against Triton's generate_stream on a Linnet model repository: text in (Triton's model takes text),
+    one event per token, a closing event with the finish reason."""
+    import httpx
+
+    params = json.dumps({"ignore_eos": True, "temperature": 0})
+
+    async def main():
+        limits = httpx.Limits(max_connections=workload.concurrency + 8)
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+            async def one(text: str) -> RequestResult:
+                res = RequestResult(True, time.perf_counter())
+                body = {"text_input": text, "max_tokens": workload.new_tokens, "stream": True,
+                        "sampling_parameters": params}
+                try:
+                    async with client.stream("POST", f"/v2/models/{name}/generate_stream", json=body) as r:
+                        if r.status_code != 200:
+                            await r.aread()
+                            return RequestResult(False, res.start, end=time.perf_counter(),
+                                                 error=f"HTTP {r.status_code}: {r.text[:200]}")
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: ") and not json.loads(line[6:]).get("finish_reason"):
+                                res.token_times.append(time.perf_counter())
+                except httpx.HTTPError as e:
+                    return RequestResult(False, res.start, end=time.perf_counter(), error=type(e).__name__)
+                res.end = time.perf_counter()
+                return res
+
+            return await _paced(workload, texts, one)
+
+    return asyncio.run(main())
+
+
 def run_sequential(session, workload: Workload, prompts: list[list[int]]) -> tuple[list[RequestResult], float]:
     """The baseline: the same requests one after another through `linnet run`'s generation loop."""
     from ..runtime.generate import Generation
@@ -213,20 +246,17 @@ def to_json(workload: Workload, rows: list[dict], env: dict, model: str, backend
 
 
 LABELS = {"engine": "linnet.serve, in-process", "http": "linnet serve, over HTTP", "sequential": "one at a time (linnet run)",
-          "url": "OpenAI-compatible server at --url"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+          "triton": "Triton, linnet.serve backend", "url": "OpenAI-compatible server at --url"}
+TARGETS = ("sequential", "engine", "http", "triton")
 
 
 def _start_server(model: str, backend: str, dtype: str, rows: int, cache_len: int) -> tuple[subprocess.Popen, str]:
     """`linnet serve` in a process of its own, ready to take requests."""
     import httpx
 
-    port = _free_port()
+    from ..serve import free_port
+
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "linnet_cli", "serve", model, "--backend", backend, "--dtype", dtype,
                              "--rows", str(rows), "--cache-len", str(cache_len), "--port", str(port), "--quiet",
                              "--max-waiting", "100000"],
@@ -281,6 +311,8 @@ def bench_serving(model, workload: Workload, backend: str = "torch", dtype: str 
                 proc.wait(timeout=60)
                 proc.stderr.close()
             rows_out.append(summarize("http", results, wall, workload, peak, "peak RSS of the server process"))
+        elif target == "triton":
+            rows_out.append(_triton_target(m, backend, dt, rows, cache_len, workload, prompts, progress))
     if url:
         progress(f"serving bench: {url}")
         results, wall = run_http(url, workload, prompts, api_key=api_key)
@@ -335,3 +367,35 @@ def rich_table(result: dict):
     for r in result["targets"]:
         table.add_row(escape(r["label"]), *(cell(r, k, f) for _, k, f in COLUMNS))
     return table
+
+
+def _triton_target(m, backend: str, dtype: str, rows: int, cache_len: int, workload: Workload,
+                   prompts: list[list[int]], progress) -> dict:
+    """A local tritonserver on `linnet export triton`'s repository. Triton's model takes text, so each
+    prompt is its token ids decoded (and tokenized again by the model: lengths can move a little)."""
+    import tempfile
+
+    from ..cache import cache_root
+    from ..serve import free_port
+    from ..serve.triton import export_triton, launch_local_triton, prepare_local_triton
+    from ..tokenizer import Tokenizer
+    from .machine import tree_peak_rss
+
+    tok = Tokenizer(m.path)
+    progress("serving bench: preparing a local tritonserver (nvidia-pytriton, once)")
+    server, env = prepare_local_triton(cache_root() / "triton")
+    with tempfile.TemporaryDirectory(prefix="linnet-triton-") as tmp:
+        repo = Path(tmp) / "repo"
+        # Decoded and tokenized again, a prompt can come back longer: the rows get room for that.
+        export_triton(m, repo, backend, dtype, rows, 2 * cache_len, name="linnet", env=env)
+        port = free_port()
+        proc = launch_local_triton(repo, server, port, Path(tmp) / "triton.log")
+        try:
+            results, wall = run_triton(f"http://127.0.0.1:{port}", "linnet", workload,
+                                       [tok.decode(p) for p in prompts])
+            peak = tree_peak_rss(proc.pid)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    return summarize("triton", results, wall, workload, peak,
+                     "prompts sent as text (token ids decoded); peak RSS of tritonserver and its model's stub")

@@ -94,6 +94,8 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
 
 
 def summarize(out: Path, started: float) -> ExportResult:
-    paths = sorted(out.iterdir()) if out.is_dir() else [out]
-    files = {p.name: p.stat().st_size for p in paths if p.is_file()}
+    if out.is_dir():
+        files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
+    else:
+        files = {out.name: out.stat().st_size}
     return ExportResult(out, files, time.perf_counter() - started)

@@ -1,0 +1,125 @@
+"""`linnet export triton`: a Triton Inference Server model repository whose Python model drives the
+same engine as `linnet serve` (decoupled, with the vLLM Triton backend's inputs and outputs)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from ..compile import Model, open_model, pick_cache_len, pick_dtype
+from ..errors import InputError
+from ..export import ExportResult, output_folder, summarize
+
+CONFIG = """name: "{name}"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy {{ decoupled: true }}
+input [
+  {{ name: "text_input", data_type: TYPE_STRING, dims: [ 1 ] }},
+  {{ name: "max_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true }},
+  {{ name: "stream", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }},
+  {{ name: "sampling_parameters", data_type: TYPE_STRING, dims: [ 1 ], optional: true }}
+]
+output [
+  {{ name: "text_output", data_type: TYPE_STRING, dims: [ -1 ] }},
+  {{ name: "finish_reason", data_type: TYPE_STRING, dims: [ -1 ] }}
+]
+instance_group [ {{ count: 1, kind: KIND_CPU }} ]
+parameters [
+  {{ key: "linnet_model", value: {{ string_value: "{model}" }} }},
+  {{ key: "linnet_backend", value: {{ string_value: "{backend}" }} }},
+  {{ key: "linnet_dtype", value: {{ string_value: "{dtype}" }} }},
+  {{ key: "linnet_rows", value: {{ string_value: "{rows}" }} }},
+  {{ key: "linnet_cache_len", value: {{ string_value: "{cache_len}" }} }}{env}
+]
+"""
+ENV = ',\n  { key: "EXECUTION_ENV_PATH", value: { string_value: "%s" } }'
+
+
+def export_triton(model: str | Path | Model | None, out: Path, backend: str = "torch", dtype: str = "auto",
+                  rows: int = 8, cache_len: int | None = None, name: str | None = None, env: Path | None = None,
+                  force: bool = False) -> ExportResult:
+    """Write OUT/<name>/config.pbtxt and OUT/<name>/1/model.py. `env` is the Python environment Triton
+    runs the model in (linnet installed, and numpy < 2 for the python backend's stub)."""
+    started = time.perf_counter()
+    m = model if isinstance(model, Model) else open_model(model)
+    dt = pick_dtype(dtype, m.spec)
+    n = pick_cache_len(cache_len, m.spec)
+    name = name or "".join(c if c.isalnum() or c in "-_" else "_" for c in m.path.name)
+    if rows < 1:
+        raise InputError(f"--rows must be at least 1, got {rows}")
+    if env is not None and not (Path(env) / "bin" / "python").exists() and not str(env).endswith(".tar.gz"):
+        raise InputError(f"{env} is not a Python environment (no bin/python) nor a conda-pack archive")
+    with output_folder(Path(out), force) as tmp:
+        (tmp / name / "1").mkdir(parents=True)
+        shutil.copy2(Path(__file__).with_name("triton_model.py"), tmp / name / "1" / "model.py")
+        (tmp / name / "config.pbtxt").write_text(CONFIG.format(
+            name=name, model=str(m.path.resolve()), backend=backend, dtype=dt, rows=rows, cache_len=n,
+            env=ENV % Path(env).resolve() if env else ""))
+    return summarize(Path(out), started)
+
+
+# -- a local Triton for tests and the serving bench --------------------------------------------
+# The `nvidia-pytriton` wheel ships `tritonserver` with its Python backend; it runs on CPU. It pins
+# numpy < 2, so it is installed apart (pip --target), and the model runs in an environment of its
+# own (EXECUTION_ENV_PATH) with numpy < 2 first and this environment's packages after it.
+PYTRITON = "nvidia-pytriton==0.7.0"
+
+
+def prepare_local_triton(home: Path) -> tuple[Path, Path]:
+    """(tritonserver's folder, the model's Python environment) under `home`, made once with pip."""
+    import subprocess
+    import sys
+    import sysconfig
+
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    server = home / "site" / "pytriton" / "tritonserver"
+
+    def run(*cmd: str) -> None:
+        try:
+            subprocess.run(cmd, check=True, capture_output=True, timeout=900)
+        except (subprocess.SubprocessError, OSError) as e:
+            raise InputError(f"cannot set up a local Triton in {home}: {' '.join(cmd[:6])}... failed ({e})") from None
+
+    if not (server / "bin" / "tritonserver").exists():
+        run(sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(home / "site"), PYTRITON)
+    stub = server / "backends" / "python" / "triton_python_backend_stub"
+    if not stub.exists():  # the stub for this Python, beside the backend that starts it
+        shutil.copy2(server / "python_backend_stubs" / py / "triton_python_backend_stub", stub)
+    env = home / f"env-{py}"
+    packages = env / "lib" / f"python{py}" / "site-packages"
+    if not (env / "bin" / "python").exists():
+        run(sys.executable, "-m", "venv", "--without-pip", str(env))
+        run(sys.executable, "-m", "pip", "install", "--quiet", "--target", str(packages), "numpy<2")
+    base = sysconfig.get_paths()["purelib"]
+    (packages / "zz_linnet_base.pth").write_text(f"import site; site.addsitedir({base!r})\n")
+    return server, env
+
+
+def launch_local_triton(repo: Path, server: Path, port: int, log: Path, timeout: float = 300):
+    """Start tritonserver on `repo` (HTTP on `port`); returns the process once the repository is ready."""
+    import os
+    import subprocess
+
+    import httpx
+
+    from . import free_port
+
+    env = {**os.environ, "LD_LIBRARY_PATH": str(server.parent.parent / "nvidia_pytriton.libs")}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(server / "bin" / "tritonserver"), f"--model-repository={repo}",
+                                 f"--backend-directory={server / 'backends'}", f"--http-port={port}",
+                                 f"--grpc-port={free_port()}", f"--metrics-port={free_port()}", "--disable-auto-complete-config"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    proc.wait()
+    raise InputError(f"tritonserver did not become ready; its log: {log}")

@@ -1,0 +1,118 @@
+"""The Triton Inference Server Python model that drives Linnet's engine (copied to `<repo>/<name>/1/model.py`).
+
+Decoupled, like the vLLM Triton backend: inputs `text_input`, `max_tokens`, `stream`,
+`sampling_parameters` (JSON); outputs `text_output` and `finish_reason`. `execute()` hands each
+request to the engine and returns at once; the engine's deltas go through a queue to one response
+thread, which sends them (every delta when streaming, the whole text at the end otherwise) and
+cancels a request whose client has gone (`response_sender.is_cancelled()`).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+_DONE = object()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from linnet_core.compile import load_model
+        from linnet_core.errors import CheckpointError
+        from linnet_core.serve.engine import Engine
+        from linnet_core.tokenizer import Tokenizer
+
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        session, compiled = load_model(params["linnet_model"], params.get("linnet_backend", "torch"),
+                                       params.get("linnet_dtype", "auto"), int(params.get("linnet_cache_len", 0)) or None,
+                                       rows=int(params.get("linnet_rows", 8)))
+        try:
+            self.tokenizer = Tokenizer(compiled.model.path)
+        except CheckpointError:
+            self.tokenizer = None
+        self.engine = Engine(session, self.tokenizer).start()
+        self.responses: queue.Queue = queue.Queue()
+        self.live: dict[int, tuple] = {}  # handle id -> (handle, sender, stream, collected text)
+        self.thread = threading.Thread(target=self._respond, name="linnet-triton-responses", daemon=True)
+        self.thread.start()
+
+    def execute(self, requests):
+        from linnet_core.errors import InputError
+        from linnet_core.runtime.sampling import SamplingParams
+        from linnet_core.serve.engine import GenerationRequest
+
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                text = _first(request, "text_input")
+                text = text.decode() if isinstance(text, bytes) else str(text)
+                max_tokens = int(_first(request, "max_tokens", 16))
+                stream = bool(_first(request, "stream", False))
+                raw = _first(request, "sampling_parameters", b"{}")
+                sp = json.loads(raw.decode() if isinstance(raw, bytes) else raw or "{}")
+                if self.tokenizer is None:
+                    raise InputError("this model has no tokenizer, so it cannot take text")
+                gen = GenerationRequest(
+                    self.tokenizer.encode(text), int(sp.get("max_tokens", max_tokens)),
+                    SamplingParams(float(sp.get("temperature", 0.0)), float(sp.get("top_p", 1.0)),
+                                   int(sp.get("top_k", 0)), sp.get("seed")),
+                    tuple([sp["stop"]] if isinstance(sp.get("stop"), str) else sp.get("stop") or ()),
+                    tuple(sp.get("stop_token_ids") or ()), bool(sp.get("ignore_eos", False)))
+                handle = self.engine.submit(gen)
+            except (InputError, ValueError, TypeError, json.JSONDecodeError) as e:
+                message = getattr(e, "message", str(e))
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            self.live[handle.id] = (handle, sender, stream, [])
+            handle.subscribe(lambda d, hid=handle.id: self.responses.put((hid, d)))
+        return None  # decoupled: every response goes through its sender
+
+    def _respond(self):
+        while True:
+            item = self.responses.get()
+            if item is _DONE:
+                return
+            hid, delta = item
+            handle, sender, stream, collected = self.live[hid]
+            if delta.finish_reason is None and sender.is_cancelled():
+                if not handle.cancelled:
+                    pb_utils.Logger.log_info(f"linnet: request {hid} cancelled by its client; its row is freed")
+                handle.cancel()  # the client has gone: free the row
+                continue
+            collected.append(delta.text)
+            final = delta.finish_reason is not None
+            try:
+                if final and handle.cancelled:
+                    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # closes it, says nothing
+                elif stream or final:
+                    text = delta.text if stream else "".join(collected)
+                    out = [pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_)),
+                           pb_utils.Tensor("finish_reason", np.array([(delta.finish_reason or "").encode()],
+                                                                     dtype=np.object_))]
+                    sender.send(pb_utils.InferenceResponse(output_tensors=out),
+                                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+            except Exception as e:  # noqa: BLE001 - a send to a departed client fails; the thread goes on
+                pb_utils.Logger.log_warn(f"linnet: response for request {hid} not sent: {e}")
+                handle.cancel()
+            if final:
+                del self.live[hid]
+
+    def finalize(self):
+        self.engine.stop(timeout=10)
+        self.responses.put(_DONE)
+        self.thread.join(timeout=10)
+
+
+def _first(request, name: str, default=None):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        if default is None:
+            raise ValueError(f"input '{name}' is required")
+        return default
+    return tensor.as_numpy().reshape(-1)[0]
