@@ -115,6 +115,25 @@ async def _paced(workload: Workload, prompts: list[list[int]], one) -> tuple[lis
     return list(results), time.perf_counter() - t0
 
 
+def round_trippable(workload: Workload, model) -> list[list[int]]:
+    """The workload's prompts. With a tokenizer they are drawn from its vocabulary and made stable
+    under decode-then-encode, so a target that takes text (Triton) gets the same prompts."""
+    from ..errors import CheckpointError
+    from ..tokenizer import Tokenizer
+
+    try:
+        tok = Tokenizer(model.path)
+    except CheckpointError:
+        return workload.prompts(model.spec.vocab_size)
+    prompts = []
+    for p in workload.prompts(min(tok.vocab_size, model.spec.vocab_size)):
+        for _ in range(3):  # a couple of rounds settle it; lengths stay in the range
+            again = tok.encode(tok.decode(p), add_special_tokens=False)
+            p = (again + p)[:len(p)] if len(again) < len(p) else again[:len(p)]
+        prompts.append(p)
+    return prompts
+
+
 def run_in_process(engine, workload: Workload, prompts: list[list[int]]) -> tuple[list[RequestResult], float]:
     """Against an Engine in this process (started here), as the HTTP face drives it."""
     from ..serve.engine import GenerationRequest
@@ -285,7 +304,7 @@ def bench_serving(model, workload: Workload, backend: str = "torch", dtype: str 
     m = open_model(model) if not hasattr(model, "spec") else model
     dt = pick_dtype(dtype, m.spec)
     cache_len = workload.prompt_max + workload.new_tokens
-    prompts = workload.prompts(m.spec.vocab_size)
+    prompts = round_trippable(workload, m)
     rows_out = []
     for target in targets:
         progress(f"serving bench: {LABELS[target]}")
