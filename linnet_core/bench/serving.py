@@ -11,6 +11,7 @@ the concurrency; the report says so when a run has fewer.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from pathlib import Path
 import os
@@ -86,7 +87,7 @@ def summarize(name: str, results: list[RequestResult], wall: float, workload: Wo
     tokens = sum(len(r.token_times) for r in ok)
     ttft = [r.ttft for r in ok if r.ttft is not None]
     tpot = [r.tpot for r in ok if r.tpot is not None]
-    itl = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
+    itl = [b - a for r in ok for a, b in itertools.pairwise(r.token_times)]
     e2e = [r.end - r.start for r in ok]
     ms = 1000.0
     row = {"target": name, "requests": len(results), "failed": len(results) - len(ok), "output_tokens": tokens,
@@ -105,13 +106,13 @@ async def _paced(workload: Workload, prompts: list[list[int]], one) -> tuple[lis
     rng = np.random.default_rng(workload.seed + 1)
     t0 = time.perf_counter()
 
-    async def guarded(i: int, prompt: list[int], delay: float) -> RequestResult:
+    async def guarded(prompt: list[int], delay: float) -> RequestResult:
         await asyncio.sleep(delay)
         async with sem:
             return await one(prompt)
 
     delays = np.cumsum(rng.exponential(1 / workload.rate, len(prompts))) if workload.rate else [0.0] * len(prompts)
-    results = await asyncio.gather(*(guarded(i, p, float(d)) for i, (p, d) in enumerate(zip(prompts, delays))))
+    results = await asyncio.gather(*(guarded(p, float(d)) for p, d in zip(prompts, delays, strict=True)))
     return list(results), time.perf_counter() - t0
 
 
@@ -158,45 +159,56 @@ def run_in_process(engine, workload: Workload, prompts: list[list[int]]) -> tupl
     return asyncio.run(_paced(workload, prompts, one))
 
 
+async def _stream(client, path: str, body: dict, tokens_in) -> RequestResult:
+    """POST a streaming request and time its tokens; `tokens_in(event)` says how many tokens one
+    Server-Sent Event carries (its JSON, parsed)."""
+    import httpx
+
+    res = RequestResult(True, time.perf_counter())
+    try:
+        async with client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return RequestResult(False, res.start, end=time.perf_counter(),
+                                     error=f"HTTP {r.status_code}: {r.text[:200]}")
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    n = tokens_in(json.loads(line[6:]), len(res.token_times))
+                    res.token_times += [time.perf_counter()] * n
+    except httpx.HTTPError as e:
+        return RequestResult(False, res.start, end=time.perf_counter(), error=type(e).__name__)
+    res.end = time.perf_counter()
+    return res
+
+
+def _client(url: str, workload: Workload, headers: dict | None = None):
+    import httpx
+
+    return httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers or {}, timeout=600,
+                             limits=httpx.Limits(max_connections=workload.concurrency + 8))
+
+
+def _openai_tokens(chunk: dict, seen: int) -> int:
+    choice = (chunk.get("choices") or [{}])[0]
+    if choice.get("finish_reason") is None:  # one chunk per token
+        return 1
+    if chunk.get("usage"):  # the closing chunk: its count settles the total
+        return max(0, chunk["usage"]["completion_tokens"] - seen)
+    return 1 if choice.get("text") else 0  # no usage: a closing chunk with text is a token
+
+
 def run_http(url: str, workload: Workload, prompts: list[list[int]], model: str | None = None,
              api_key: str | None = None) -> tuple[list[RequestResult], float]:
     """Against any OpenAI-compatible server: streamed /v1/completions with the prompt as token ids."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def main():
-        limits = httpx.Limits(max_connections=workload.concurrency + 8)
-        async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=600, limits=limits) as client:
+        async with _client(url, workload, {"Authorization": f"Bearer {api_key}"} if api_key else None) as client:
             name = model or (await client.get("/v1/models")).json()["data"][0]["id"]
 
             async def one(prompt: list[int]) -> RequestResult:
-                res = RequestResult(True, time.perf_counter())
                 body = {"model": name, "prompt": prompt, "max_tokens": workload.new_tokens, "stream": True,
                         "ignore_eos": True, "temperature": 0, "min_tokens": workload.new_tokens}
-                try:
-                    async with client.stream("POST", "/v1/completions", json=body) as r:
-                        if r.status_code != 200:
-                            await r.aread()
-                            return RequestResult(False, res.start, end=time.perf_counter(),
-                                                 error=f"HTTP {r.status_code}: {r.text[:200]}")
-                        async for line in r.aiter_lines():
-                            if not line.startswith("data: ") or line == "data: [DONE]":
-                                continue
-                            chunk = json.loads(line[6:])
-                            choice = (chunk.get("choices") or [{}])[0]
-                            now = time.perf_counter()
-                            if choice.get("finish_reason") is None:  # one chunk per token
-                                res.token_times.append(now)
-                            elif chunk.get("usage"):  # the closing chunk: its count settles the total
-                                missing = chunk["usage"]["completion_tokens"] - len(res.token_times)
-                                res.token_times += [now] * max(0, missing)
-                            elif choice.get("text"):  # no usage: a closing chunk with text is a token
-                                res.token_times.append(now)
-                except httpx.HTTPError as e:
-                    return RequestResult(False, res.start, end=time.perf_counter(), error=type(e).__name__)
-                res.end = time.perf_counter()
-                return res
+                return await _stream(client, "/v1/completions", body, _openai_tokens)
 
             return await _paced(workload, prompts, one)
 
@@ -206,30 +218,15 @@ def run_http(url: str, workload: Workload, prompts: list[list[int]], model: str 
 def run_triton(url: str, name: str, workload: Workload, texts: list[str]) -> tuple[list[RequestResult], float]:
     """Against Triton's generate_stream on a Linnet model repository: text in (Triton's model takes text),
     one event per token, a closing event with the finish reason."""
-    import httpx
-
     params = json.dumps({"ignore_eos": True, "temperature": 0})
 
     async def main():
-        limits = httpx.Limits(max_connections=workload.concurrency + 8)
-        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        async with _client(url, workload) as client:
             async def one(text: str) -> RequestResult:
-                res = RequestResult(True, time.perf_counter())
                 body = {"text_input": text, "max_tokens": workload.new_tokens, "stream": True,
                         "sampling_parameters": params}
-                try:
-                    async with client.stream("POST", f"/v2/models/{name}/generate_stream", json=body) as r:
-                        if r.status_code != 200:
-                            await r.aread()
-                            return RequestResult(False, res.start, end=time.perf_counter(),
-                                                 error=f"HTTP {r.status_code}: {r.text[:200]}")
-                        async for line in r.aiter_lines():
-                            if line.startswith("data: ") and not json.loads(line[6:]).get("finish_reason"):
-                                res.token_times.append(time.perf_counter())
-                except httpx.HTTPError as e:
-                    return RequestResult(False, res.start, end=time.perf_counter(), error=type(e).__name__)
-                res.end = time.perf_counter()
-                return res
+                return await _stream(client, f"/v2/models/{name}/generate_stream", body,
+                                     lambda event, seen: 0 if event.get("finish_reason") else 1)
 
             return await _paced(workload, texts, one)
 
