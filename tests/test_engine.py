@@ -162,3 +162,19 @@ def test_stop_under_load_finishes_or_cancels_everything(model):
     reasons = [h.result()[2] for h in handles]
     assert set(reasons) <= {"length", "cancelled"} and "cancelled" in reasons
     assert engine.idle() and sorted(engine._free) == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_inductor_from_the_engine_thread_compiles_every_bucket(tokenized_checkpoints):
+    """Dynamo's recompile limit is per thread: the engine's thread must lift it too, or the ninth
+    bucket (prompt sizes x row counts) fails with FailOnRecompileLimitHit under fullgraph."""
+    path = tokenized_checkpoints[CASE]
+    session, _ = load_model(path, "inductor", "float32", 128, rows=8)
+    engine = Engine(session, None).start()
+    try:
+        lengths = [1, 3, 17, 40, 70, 100, 2, 9, 33, 65, 90, 5]  # every prompt bucket, 1 to 8 rows decoding
+        handles = [engine.submit(GenerationRequest(list(range(3, 3 + n)), 6, ignore_eos=True)) for n in lengths]
+        results = [h.result() for h in handles]
+    finally:
+        engine.stop()
+    assert all(reason == "length" and len(ids) == 6 for _, ids, reason in results), results

@@ -36,12 +36,18 @@ def use_inductor_cache(folder: Path) -> None:
 
     inductor_config.fx_graph_cache = True
     inductor_config.freezing = True
+    allow_bucket_recompiles()
+
+
+def allow_bucket_recompiles() -> None:
+    """One compiled graph per bucket (log2 of the cache length prompt sizes, log2 of the rows) and
+    per session: well past dynamo's default of 8 recompiles of one function. Dynamo's settings
+    hold per thread, so a session driven from another thread (the serving engine's) sets them too."""
     import torch._dynamo.config as dynamo_config
 
-    # One compiled graph per bucket (log2 of the cache length prompt sizes, log2 of the rows) and
-    # per session: well past dynamo's default of 8 recompiles of one function.
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 1024)
-    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
+    if dynamo_config.recompile_limit < 1024:
+        dynamo_config.recompile_limit = 1024
+        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
 
 
 class FrozenStep(torch.nn.Module):
@@ -101,6 +107,7 @@ class CompiledTorchSession(TorchSession):
         slots_p = torch.full((Bp,), self.rows, dtype=torch.int64)  # padding rows -> the spare row
         slots_p[:B] = torch.tensor(slots)
         last = torch.full((Bp,), T - 1, dtype=torch.int64)
+        allow_bucket_recompiles()
         with torch.inference_mode(), cpu_kernels.active(self.kernels):
             next_token, logits = self.compiled(ids_p.to(dev), start_p.to(dev), slots_p.to(dev), last.to(dev),
                                                self.k_cache, self.v_cache, all_logits)
