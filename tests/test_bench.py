@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -103,7 +104,8 @@ def test_markdown_and_ctrl_c(checkpoints, tmp_path):
     measured = [s for s in result.sides if s.samples]
     assert len(measured) == 1 and measured[0].samples[0]["decode_tok_s"] > 0
     assert all(s.worker is None for s in result.sides)  # every worker process stopped
-    left = subprocess.run(["pgrep", "-f", "linnet_core.bench.worker"], capture_output=True, text=True).stdout
+    left = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "linnet_core.bench.worker"],  # our own only
+                          capture_output=True, text=True).stdout
     assert left.strip() == ""
 
 
