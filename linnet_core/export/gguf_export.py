@@ -172,7 +172,7 @@ def _vocab(w, folder: Path, vocab: GgufVocab, gguf) -> None:
     ids = special.special_token_ids
     if "pad" not in ids and ("eos" in ids or "unk" in ids):
         # Without one, transformers' GGUF loader falls back to its config class's default pad id,
-        # which can lie outside a smaller vocabulary (Phi-3's 32000) and break the embedding.
+        # which can lie outside a smaller vocabulary (32000 for one family) and break the embedding.
         ids["pad"] = ids.get("eos", ids.get("unk"))
     special.add_to_gguf(w, quiet=True)
     template = read_chat_template(folder)

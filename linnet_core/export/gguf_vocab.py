@@ -19,6 +19,7 @@ from ..errors import UnsupportedModel
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 # llama.cpp picks its pre-tokenizer regex by name; these are the Split patterns each name means.
+# (The names, like the vocabulary types "gpt2" and "llama" below, are GGUF's tokenizer identifiers.)
 PRE_TOKENIZERS = {
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
              r"|\s+(?!\S)|\s+",
