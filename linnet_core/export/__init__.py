@@ -54,37 +54,33 @@ def _discard(tmp: Path) -> None:
 
 
 @contextmanager
-def output_folder(out: Path, force: bool = False) -> Iterator[Path]:
+def _staged(out: Path, force: bool, folder: bool) -> Iterator[Path]:
+    out = Path(out)
+    _refuse_existing(out, force)
+    if not folder and out.is_dir():
+        raise InputError(f"{out} is a folder; give the name of the file to write")
+    tmp = out.parent / f".{out.name}.linnet-tmp-{uuid.uuid4().hex[:8]}"
+    if folder:
+        tmp.mkdir()
+    try:
+        yield tmp
+        _move_into_place(tmp, out)
+    except BaseException:
+        _discard(tmp)
+        raise
+
+
+def output_folder(out: Path, force: bool = False):
     """A temporary folder beside `out` that becomes `out` only when the block completes.
 
     An existing `out` is refused unless `force`; a failure or Ctrl-C leaves no half-written folder.
     """
-    out = Path(out)
-    _refuse_existing(out, force)
-    tmp = out.parent / f".{out.name}.linnet-tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        _move_into_place(tmp, out)
-    except BaseException:
-        _discard(tmp)
-        raise
+    return _staged(out, force, folder=True)
 
 
-@contextmanager
-def output_file(out: Path, force: bool = False) -> Iterator[Path]:
+def output_file(out: Path, force: bool = False):
     """`output_folder` for a single file: a temporary name beside `out`, renamed when complete."""
-    out = Path(out)
-    _refuse_existing(out, force)
-    if out.is_dir():
-        raise InputError(f"{out} is a folder; give the name of the file to write")
-    tmp = out.parent / f".{out.name}.linnet-tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        yield tmp
-        _move_into_place(tmp, out)
-    except BaseException:
-        _discard(tmp)
-        raise
+    return _staged(out, force, folder=False)
 
 
 def copy_tokenizer(src: Path, dst: Path) -> None:
