@@ -62,10 +62,10 @@ CASES = [
 CASE_IDS = [c.id for c in CASES]
 # Backends every fixture is checked on here (the optional ones when their extra is installed),
 # and the half dtypes each runs on this CPU.
-_HAVE = {name: importlib.util.find_spec(name) is not None for name in ("onnxruntime", "jax")}
-CPU_BACKENDS = ["torch", "inductor"] + ["onnxruntime"] * _HAVE["onnxruntime"] + ["jax", "stablehlo"] * _HAVE["jax"]
+HAVE = {name: importlib.util.find_spec(name) is not None for name in ("onnxruntime", "jax")}
+CPU_BACKENDS = ["torch", "inductor"] + ["onnxruntime"] * HAVE["onnxruntime"] + ["jax", "stablehlo"] * HAVE["jax"]
 HALF_DTYPES = [("torch", "float16"), ("torch", "bfloat16"), ("inductor", "bfloat16")] \
-    + [("onnxruntime", "float16")] * _HAVE["onnxruntime"] + [("jax", "bfloat16"), ("stablehlo", "bfloat16")] * _HAVE["jax"]
+    + [("onnxruntime", "float16")] * HAVE["onnxruntime"] + [("jax", "bfloat16"), ("stablehlo", "bfloat16")] * HAVE["jax"]
 FAMILY_CASES = ["llama-gqa-untied", "mistral-window", "qwen2-bias-tied", "qwen3-headdim128", "phi3-fused-window"]
 
 

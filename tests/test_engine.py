@@ -14,15 +14,18 @@ from linnet_core.runtime.sampling import Sampler, SamplingParams
 from linnet_core.serve.engine import Engine, EngineFull, GenerationRequest
 from linnet_core.tokenizer import Tokenizer
 
+from conftest import HAVE
+
 CASE = "qwen2-bias-tied"
 CACHE = 96
 
 
-@pytest.fixture(scope="module")
-def model(tokenized_checkpoints):
+# torch takes a step as one call per chunk length; ONNX Runtime's graph takes it in one ragged call.
+@pytest.fixture(scope="module", params=["torch"] + ["onnxruntime"] * HAVE["onnxruntime"])
+def model(request, tokenized_checkpoints):
     path = tokenized_checkpoints[CASE]
-    batched, _ = load_model(path, "torch", "float32", CACHE, rows=4)
-    alone, _ = load_model(path, "torch", "float32", CACHE, rows=1)
+    batched, _ = load_model(path, request.param, "float32", CACHE, rows=4)
+    alone, _ = load_model(path, request.param, "float32", CACHE, rows=1)
     return batched, alone, Tokenizer(path)
 
 

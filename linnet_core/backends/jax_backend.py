@@ -94,7 +94,7 @@ class XlaSession(Session):
         self.k_cache = jnp.zeros(shape, dtype=np_dtype)
         self.v_cache = jnp.zeros(shape, dtype=np_dtype)
 
-    def step(self, ids, start, slots, last, all_logits: bool):
+    def _device_step(self, ids, start, slots, last, all_logits: bool):
         """Run one padded step; returns (next_token, logits) device arrays, caches updated."""
         raise NotImplementedError
 
@@ -109,7 +109,7 @@ class XlaSession(Session):
         slots_p = np.full(Bp, self.rows, dtype=np.int32)  # padding rows point past the cache
         slots_p[:B] = slots
         last = np.full(Bp, T - 1, dtype=np.int32)
-        next_token, logits = self.step(ids_p, start_p, slots_p, last, all_logits)
+        next_token, logits = self._device_step(ids_p, start_p, slots_p, last, all_logits)
         return next_token[:B], (logits[:B, :T] if all_logits else logits[:B])
 
     def _to_host(self, array: Any) -> np.ndarray:
@@ -128,7 +128,7 @@ class JaxSession(XlaSession):
         self.weights = weights
         self._step = jax.jit(module.step, static_argnames=("all_logits",), donate_argnums=(1, 2))
 
-    def step(self, ids, start, slots, last, all_logits: bool):
+    def _device_step(self, ids, start, slots, last, all_logits: bool):
         next_token, logits, self.k_cache, self.v_cache = self._step(
             self.weights, self.k_cache, self.v_cache, ids, start, slots, last, all_logits=all_logits)
         return next_token, logits

@@ -3,6 +3,7 @@
 Every tensor a step touches lives in torch tensors on the session's device and is bound to ONNX
 Runtime by pointer (I/O binding): the KV cache outputs are bound to the input buffers, so the
 cache never moves or copies between steps, and only the next tokens come back to the host.
+The graph takes ragged steps (decode rows and prompt chunks in one call: see onnx_emit).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from ..errors import BackendUnavailable
 from ..ir.graph import Graph
 from ..ir.passes import optimize
-from ..runtime.session import Session
+from ..runtime.session import Chunk, Session
 from ..weights import Checkpoint
 from .base import Backend, write_artifact_info
 from .onnx_emit import ONNX_DTYPES, emit_onnx, require_onnx
@@ -75,8 +76,8 @@ def _bind(binding, bind_fn, name: str, t: torch.Tensor) -> None:
 
 
 class OrtSession(Session):
-    def __init__(self, sess, info: dict, rows: int, device: str, backend: str):
-        self.sess, self.backend, self.rows = sess, backend, rows
+    def __init__(self, sess, info: dict, rows: int, device: str, backend: str, ragged: bool):
+        self.sess, self.backend, self.rows, self.ragged = sess, backend, rows, ragged
         self.dtype, self.cache_len, self.vocab_size = info["dtype"], info["cache_len"], info["vocab_size"]
         self.device = torch.device(device)
         c = info["cache"]
@@ -88,16 +89,69 @@ class OrtSession(Session):
 
     def _run(self, ids: Sequence[Sequence[int]], start: Sequence[int], slots: Sequence[int], all_logits: bool):
         B, T = len(ids), len(ids[0])
-        dev = self.device
+        if self.ragged:
+            next_token, logits = self._call(self._ragged_feeds(ids, start, slots, all_logits))
+            if all_logits:  # one entry per token: [B*T] and [B*T, 1, V]
+                return next_token.view(B, T)[:, -1], logits.view(B, T, -1)
+            return next_token, logits
         feeds = {
-            "ids": torch.tensor(ids, dtype=torch.int64, device=dev),  # [B, T]
-            "start": torch.tensor(start, dtype=torch.int64, device=dev),  # [B]
-            "slots": torch.tensor(slots, dtype=torch.int64, device=dev),  # [B]
-            "kv_len": torch.tensor([max(s + T for s in start)], dtype=torch.int64, device=dev),
-            "logits_from": torch.tensor([0 if all_logits else T - 1], dtype=torch.int64, device=dev),
+            "ids": torch.tensor(ids, dtype=torch.int64),  # [B, T]
+            "start": torch.tensor(start, dtype=torch.int64),  # [B]
+            "slots": torch.tensor(slots, dtype=torch.int64),  # [B]
+            "kv_len": torch.tensor([max(s + T for s in start)], dtype=torch.int64),
+            "logits_from": torch.tensor([0 if all_logits else T - 1], dtype=torch.int64),
         }
-        next_token = torch.empty(B, dtype=torch.int64, device=dev)  # [B]
-        logits = torch.empty(B, T if all_logits else 1, self.vocab_size, dtype=TORCH_DTYPES[self.dtype], device=dev)
+        return self._call(feeds, B, T if all_logits else 1)
+
+    def _run_chunks(self, chunks: Sequence[Chunk]) -> list[int]:
+        if not self.ragged:
+            return super()._run_chunks(chunks)
+        greedy, logits = self._call(self._ragged_feeds([c.ids for c in chunks], [c.start for c in chunks],
+                                                       [c.slot for c in chunks], False))
+        return self._choose(greedy, logits, [c.sampler for c in chunks])
+
+    @staticmethod
+    def _ragged_feeds(ids: Sequence[Sequence[int]], start: Sequence[int], slots: Sequence[int],
+                      all_logits: bool) -> dict[str, torch.Tensor]:
+        """The ragged graph's inputs for entries of any lengths: one-token entries first, then
+        the chunks; logits for each entry's last token (for every token when all_logits)."""
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]) > 1)  # stable: equal kinds keep their order
+        first, n = {}, 0
+        for i in order:
+            first[i], n = n, n + len(ids[i])
+        flat_ids = [t for i in order for t in ids[i]]
+        pos = [start[i] + k for i in order for k in range(len(ids[i]))]
+        token_slots = [slots[i] for i in order for _ in ids[i]]
+        single = [i for i in order if len(ids[i]) == 1]
+        chunks = [i for i in order if len(ids[i]) > 1]
+        tp = max((len(ids[i]) for i in chunks), default=1)
+        # A short chunk repeats its last token: same query, same position, its output dropped.
+        p_index = [[first[i] + min(k, len(ids[i]) - 1) for k in range(tp)] for i in chunks]
+        p_pack = [j * tp + k for j, i in enumerate(chunks) for k in range(len(ids[i]))]
+        logits_index = list(range(n)) if all_logits else [first[i] + len(ids[i]) - 1 for i in range(len(ids))]
+
+        def t(values, *shape):
+            return torch.tensor(values, dtype=torch.int64).reshape(*shape)
+
+        return {
+            "ids": t(flat_ids, 1, n), "pos": t(pos, 1, n), "token_slots": t(token_slots, 1, n),
+            "d_slots": t([slots[i] for i in single], len(single)),
+            "d_kv_len": t([max([start[i] + 1 for i in single], default=1)], 1),
+            "p_slots": t([slots[i] for i in chunks], len(chunks)),
+            "p_index": t(p_index, len(chunks), tp),
+            "p_pack": t(p_pack, len(p_pack)),
+            "p_kv_len": t([max([start[i] + len(ids[i]) for i in chunks], default=1)], 1),
+            "logits_index": t(logits_index, len(logits_index)),
+        }
+
+    def _call(self, feeds: dict[str, torch.Tensor], rows: int | None = None, per_row: int = 1):
+        """Bind and run: (next_token [rows], logits [rows, per_row, V]); ragged steps have one row
+        per logits_index entry."""
+        dev = self.device
+        rows = len(feeds["logits_index"]) if rows is None else rows
+        next_token = torch.empty(rows, dtype=torch.int64, device=dev)  # [rows]
+        logits = torch.empty(rows, per_row, self.vocab_size, dtype=TORCH_DTYPES[self.dtype], device=dev)
+        feeds = {name: t.to(dev) for name, t in feeds.items()}  # held until the run ends: bound by pointer
         io = self.sess.io_binding()
         for name, t in feeds.items():
             _bind(io, io.bind_input, name, t)
@@ -114,7 +168,8 @@ class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     stack = "ONNX Runtime and TensorRT"
     title = "ONNX Runtime"
-    artifact_format = "1"
+    artifact_format = "2"
+    ragged = True  # the graph takes mixed steps (TensorRT's builder keeps the fixed [B, T] form)
 
     def providers(self) -> list[str]:
         ort = import_ort()
@@ -140,7 +195,7 @@ class OnnxRuntimeBackend(Backend):
 
     def compile(self, graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path) -> None:
         graph = optimize(graph)
-        emit_onnx(graph, ckpt, dtype, cache_len, out)
+        emit_onnx(graph, ckpt, dtype, cache_len, out, ragged=self.ragged)
         write_artifact_info(out, graph, dtype, cache_len)
 
     def session_options(self):
@@ -164,4 +219,4 @@ class OnnxRuntimeBackend(Backend):
                 raise err from None
             raise BackendUnavailable(f"ONNX Runtime could not load {artifact.name}: {str(e).splitlines()[0]}") from None
         dev = "cuda" if providers[0] != "CPUExecutionProvider" else "cpu"
-        return OrtSession(sess, info, rows, device or dev, self.name)
+        return OrtSession(sess, info, rows, device or dev, self.name, self.ragged)

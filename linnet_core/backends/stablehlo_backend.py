@@ -74,7 +74,7 @@ class StablehloSession(XlaSession):
         _write_atomic(blob, exe.serialize())
         return exe
 
-    def step(self, ids, start, slots, last, all_logits: bool):
+    def _device_step(self, ids, start, slots, last, all_logits: bool):
         import jax
 
         exe = self.executable(ids.shape[0], ids.shape[1], all_logits)

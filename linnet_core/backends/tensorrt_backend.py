@@ -39,6 +39,7 @@ class TensorRTBackend(OnnxRuntimeBackend):
     name = "tensorrt"
     title = "TensorRT"
     artifact_format = "1"
+    ragged = False  # one optimisation profile over the fixed [B, T] inputs
 
     def check_available(self, dtype: str) -> None:
         if not torch.cuda.is_available():

@@ -1,8 +1,9 @@
 """Session: the runtime contract every backend fulfils over its compiled artifact.
 
 `prefill(ids, slot, start)` runs T prompt tokens of one cache row; `decode(ids, positions, slots)`
-runs one token for each of B rows at once. Both return the next token per row, chosen on the
-device (greedy unless a Sampler says otherwise), and only move logits to the host on request.
+runs one token for each of B rows at once; `step(chunks)` runs any mix of both, each on its own
+row (a serving engine's iteration). All return the next token per row, chosen on the device
+(greedy unless a Sampler says otherwise), and only move logits to the host on request.
 """
 
 from __future__ import annotations
@@ -15,6 +16,17 @@ import numpy as np
 
 from ..errors import InputError
 from .sampling import Sampler
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens for one cache row in a mixed step: a piece of a prompt, or the one token a decoding
+    row feeds back."""
+
+    ids: Sequence[int]
+    start: int  # position of ids[0] in the row
+    slot: int
+    sampler: Sampler | None = None  # how this chunk's next token is chosen (greedy when None)
 
 
 @dataclass
@@ -84,3 +96,27 @@ class Session(ABC):
         greedy, out = self._run([[t] for t in ids], list(positions), list(slots), all_logits=False)
         tokens = self._choose(greedy, out, samplers or [None] * len(ids))
         return StepOutput(tokens, self._to_host(out) if logits else None)
+
+    def step(self, chunks: Sequence[Chunk]) -> list[int]:
+        """Run every chunk, each on its own cache row; the next token after each chunk."""
+        if not chunks or any(not len(c.ids) for c in chunks):
+            raise InputError("a step needs at least one chunk, and no chunk may be empty")
+        if len({c.slot for c in chunks}) != len(chunks):
+            raise InputError("a step got the same cache row twice")
+        for c in chunks:
+            self._check(len(c.ids), c.start, c.slot)
+        return self._run_chunks(chunks)
+
+    def _run_chunks(self, chunks: Sequence[Chunk]) -> list[int]:
+        """One batched call per chunk length (the one-token rows together); a backend that takes
+        ragged steps runs them all in one."""
+        tokens = [0] * len(chunks)
+        by_length: dict[int, list[int]] = {}
+        for i, c in enumerate(chunks):
+            by_length.setdefault(len(c.ids), []).append(i)
+        for idx in by_length.values():
+            greedy, logits = self._run([list(chunks[i].ids) for i in idx], [chunks[i].start for i in idx],
+                                       [chunks[i].slot for i in idx], all_logits=False)
+            for i, t in zip(idx, self._choose(greedy, logits, [chunks[i].sampler for i in idx]), strict=True):
+                tokens[i] = t
+        return tokens

@@ -1,11 +1,13 @@
 """Continuous batching over a session's fixed KV-cache rows.
 
-Requests wait in a queue and are admitted into free rows; a prompt is prefilled in chunks of at
-most `prefill_chunk` tokens, one chunk per step, so a long prompt never stalls the decoding rows
-for long; every running row then advances together by one batched decode step. A request that
-finishes, stops or is cancelled frees its row at once. Each row's decode is the same computation
-as the row alone (the backends' batched decode is tested row-by-row identical), so a greedy
-answer does not depend on the load.
+Requests wait in a queue and are admitted into free rows. Each step is one `Session.step`: a
+token for every decoding row, plus prompt chunks of the oldest prefilling rows up to
+`prefill_chunk` tokens in all, so a long prompt never stalls the decoding rows for long and the
+decode rows ride along with the prompt work (one pass over the weights where the backend takes
+ragged steps). A prompt's chunk boundaries depend on its own length only. A request that
+finishes, stops or is cancelled frees its row at once. Each row's computation is its own (the
+backends' batched steps are tested row-by-row against the row alone), so a greedy answer does
+not depend on the load.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InputError
 from ..runtime.sampling import Sampler, SamplingParams
-from ..runtime.session import Session
+from ..runtime.session import Chunk, Session
 from ..tokenizer import IncrementalDecoder, Tokenizer
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -197,7 +199,8 @@ class Engine:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> bool:
-        """Admit, prefill one chunk, decode every running row once. False when there was nothing to do."""
+        """Admit, then one session step: every decoding row and the next prompt chunks. False when
+        there was nothing to do."""
         if self._abort:
             for h in list(self._waiting) + [a.handle for a in self._active.values()]:
                 h.cancel()
@@ -212,43 +215,46 @@ class Engine:
                 self._active[row] = _Active(self._waiting.popleft(), row, self.tokenizer)
         if not self._active:
             return False
-        self._prefill_one_chunk()
-        decoding = [a for a in self._active.values() if a.last is not None]
-        if decoding:
-            self._decode(decoding)
+        work = [(a, Chunk([a.last], a.position, a.row, a.sampler)) for a in self._active.values() if a.last is not None]
+        work += self._prompt_chunks()
+        self._run(work)
         return True
 
-    def _prefill_one_chunk(self) -> None:
-        pending = [a for a in self._active.values() if a.prefilled < len(a.handle.request.prompt)]
-        if not pending:
-            return
-        a = min(pending, key=lambda x: x.handle.id)  # oldest first
-        prompt = a.handle.request.prompt
-        chunk = prompt[a.prefilled:a.prefilled + self.prefill_chunk]
-        last = a.prefilled + len(chunk) == len(prompt)
-        try:
+    def _prompt_chunks(self) -> list[tuple[_Active, Chunk]]:
+        """The next chunk of the oldest prefilling rows, up to `prefill_chunk` tokens (at least one
+        chunk). A chunk ends at a multiple of `prefill_chunk` or the prompt's end, whatever else runs."""
+        out, budget = [], self.prefill_chunk
+        for a in sorted((a for a in self._active.values() if a.prefilled < len(a.handle.request.prompt)),
+                        key=lambda x: x.handle.id):
+            prompt = a.handle.request.prompt
+            end = min(len(prompt), (a.prefilled // self.prefill_chunk + 1) * self.prefill_chunk)
+            if out and end - a.prefilled > budget:
+                break
+            budget -= end - a.prefilled
             # Only the last chunk's token is used: sampling an earlier one would advance the
             # request's seeded generator and change what it samples later.
-            out = self.session.prefill(chunk, slot=a.row, start=a.prefilled, sampler=a.sampler if last else None)
-        except Exception as e:  # noqa: BLE001 - this request fails; the others go on
-            self._finish(a, "error", f"{type(e).__name__}: {e}")
-            return
-        a.prefilled += len(chunk)
-        if last:
-            a.position = len(prompt)
-            self._emit(a, out.tokens[0])
+            out.append((a, Chunk(prompt[a.prefilled:end], a.prefilled, a.row, a.sampler if end == len(prompt) else None)))
+        return out
 
-    def _decode(self, rows: list[_Active]) -> None:
+    def _run(self, work: list[tuple[_Active, Chunk]]) -> None:
         try:
-            out = self.session.decode([a.last for a in rows], [a.position for a in rows], [a.row for a in rows],
-                                      samplers=[a.sampler for a in rows])
+            tokens = self.session.step([c for _, c in work])
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
-            for a in rows:
-                self._finish(a, "error", f"{type(e).__name__}: {e}")
+            if len(work) > 1:  # rerun one by one (a step's cache writes are idempotent): only the culprit fails
+                for item in work:
+                    self._run([item])
+                return
+            self._finish(work[0][0], "error", f"{type(e).__name__}: {e}")
             return
-        for a, token in zip(rows, out.tokens, strict=True):
-            a.position += 1
-            self._emit(a, token)
+        for (a, chunk), token in zip(work, tokens, strict=True):
+            if len(chunk.ids) == 1 and a.last is not None:  # a decode step
+                a.position += 1
+                self._emit(a, token)
+                continue
+            a.prefilled += len(chunk.ids)
+            if a.prefilled == len(a.handle.request.prompt):
+                a.position = a.prefilled
+                self._emit(a, token)
 
     def _emit(self, a: _Active, token: int) -> None:
         req, st = a.handle.request, a.handle.stats
