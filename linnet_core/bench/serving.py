@@ -137,17 +137,21 @@ def round_trippable(workload: Workload, model) -> list[list[int]]:
 
 def run_in_process(engine, workload: Workload, prompts: list[list[int]]) -> tuple[list[RequestResult], float]:
     """Against an Engine in this process (started here), as the HTTP face drives it."""
+    from ..serve import Mailbox
     from ..serve.engine import GenerationRequest
 
+    mailboxes: list[Mailbox] = []
+
     async def one(prompt: list[int]) -> RequestResult:
-        loop = asyncio.get_running_loop()
+        if not mailboxes:
+            mailboxes.append(Mailbox(asyncio.get_running_loop()))
         q: asyncio.Queue = asyncio.Queue()
         res = RequestResult(True, time.perf_counter())
         try:
             handle = engine.submit(GenerationRequest(prompt, workload.new_tokens, ignore_eos=True))
         except InputError as e:
             return RequestResult(False, res.start, error=e.message)
-        handle.subscribe(lambda d: loop.call_soon_threadsafe(q.put_nowait, (time.perf_counter(), d)))
+        handle.subscribe(lambda d: mailboxes[0].post(q, (time.perf_counter(), d)))
         while True:
             at, d = await q.get()
             res.token_times += [at] * len(d.token_ids)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from ..errors import InputError
 from ..runtime.sampling import Sampler, SamplingParams
 from ..runtime.session import Chunk, Session
+from ..runtime.threads import release_openmp_pool
 from ..tokenizer import IncrementalDecoder, Tokenizer
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -298,6 +299,7 @@ class Engine:
     # -- a thread of its own ----------------------------------------------------------------
     def start(self) -> Engine:
         if self._thread is None:
+            release_openmp_pool()  # the engine's thread runs every step from now on
             self._thread = threading.Thread(target=self._loop, name="linnet-engine", daemon=True)
             self._thread.start()
         return self

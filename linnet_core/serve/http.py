@@ -21,6 +21,7 @@ from fastapi import (
 from ..errors import InputError, LinnetError
 from ..runtime.sampling import SamplingParams
 from ..tokenizer import Tokenizer
+from . import Mailbox
 from .engine import Delta, Engine, EngineFull, GenerationRequest, Handle
 
 HISTOGRAM_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -77,6 +78,14 @@ class Server:
     def __init__(self, engine: Engine, tokenizer: Tokenizer | None, model_name: str, limits: Limits = Limits()):
         self.engine, self.tokenizer, self.model_name, self.limits = engine, tokenizer, model_name, limits
         self.started = int(time.time())
+        self._mailbox: Mailbox | None = None
+
+    def mailbox(self) -> Mailbox:
+        """The running loop's mailbox (the server runs on one loop)."""
+        loop = asyncio.get_running_loop()
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = Mailbox(loop)
+        return self._mailbox
 
     # -- parsing ----------------------------------------------------------------------------
     def parse(self, raw: bytes) -> dict:
@@ -193,10 +202,10 @@ class Server:
         return "\n".join(lines) + "\n"
 
 
-def _deltas(handle: Handle, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+def _deltas(handle: Handle, mailbox: Mailbox) -> asyncio.Queue:
     """The handle's deltas, delivered into the event loop from the engine's thread."""
     q: asyncio.Queue[Delta] = asyncio.Queue()
-    handle.subscribe(lambda d: loop.call_soon_threadsafe(q.put_nowait, d))
+    handle.subscribe(lambda d: mailbox.post(q, d))
     return q
 
 
@@ -261,7 +270,7 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
         body = server.parse(await request.body())
         prompt = server.chat_prompt(body) if chat else server.completion_prompt(body)
         handle = server.submit(server.request(body, prompt))
-        deltas = _deltas(handle, asyncio.get_running_loop())
+        deltas = _deltas(handle, server.mailbox())
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
