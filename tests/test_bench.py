@@ -168,3 +168,20 @@ def test_serving_bench_json_and_page(tokenized_checkpoints, tmp_path):
     page.feed((tmp_path / "serving.html").read_text())
     assert page.svgs == 4 and page.rows == 4 and page.links == []
     assert "| linnet serve, over HTTP |" in r.stdout
+
+
+def test_serving_rounds_interleave_and_report_the_median(tokenized_checkpoints, tmp_path):
+    out = tmp_path / "serving.json"
+    r = invoke("bench", tokenized_checkpoints["qwen2-bias-tied"], "--serving", "--requests", "6", "--prompt-range",
+               "4-12", "--new-tokens", "4", "--concurrency", "2", "--rows", "2", "--target", "sequential,engine",
+               "--rounds", "3", "--save", out, "--markdown")
+    assert r.exit_code == 0, r.stderr
+    assert "(round 2 of 3)" in r.stderr and "median of 3 interleaved rounds" in r.stdout
+    data = json.loads(out.read_text())
+    assert data["rounds"] == 3
+    for t in data["targets"]:
+        rounds = t["rounds_output_tok_s"]
+        assert len(rounds) == 3 and t["output_tok_s"] == sorted(rounds)[1] and t["failed"] == 0
+    assert "Output tok/s in each round" in r.stdout
+    bad = invoke("bench", tokenized_checkpoints["qwen2-bias-tied"], "--serving", "--rounds", "0")
+    assert bad.exit_code == 2 and "--rounds" in bad.stderr

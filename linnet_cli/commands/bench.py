@@ -58,6 +58,8 @@ def bench_command(
     rate: Annotated[Optional[float], typer.Option("--rate", help="--serving: Poisson arrivals, requests/s "
                                                   "(default: all at once).")] = None,
     rows: Annotated[int, typer.Option("--rows", help="--serving: cache rows of the engine.")] = 64,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="--serving: measure every target this many times, "
+                                        "interleaved, and report each one's median round.")] = 1,
     target: Annotated[Optional[list[str]], typer.Option(
         "--target", help="--serving: sequential, engine, http, triton (default: the first three; triton "
                          "sets up a local tritonserver from the nvidia-pytriton wheel once).")] = None,
@@ -92,7 +94,7 @@ def bench_command(
             if path.is_dir():
                 raise InputError(f"{path} is a folder; give the name of the file to write")
     if serving:
-        _serving(sink, model, backend, dtype, new_tokens, requests, prompt_range, concurrency, rate, rows, target,
+        _serving(sink, model, backend, dtype, new_tokens, requests, prompt_range, concurrency, rate, rows, rounds, target,
                  url, api_key, html, save, markdown, json)
         return
     method = Method(prompt_tokens, new_tokens, batch, runs, warmups, dtype, cache_len)
@@ -168,7 +170,7 @@ class _progress:
 
 
 
-def _serving(sink: Sink, model, backend, dtype, new_tokens, requests, prompt_range, concurrency, rate, rows, target,
+def _serving(sink: Sink, model, backend, dtype, new_tokens, requests, prompt_range, concurrency, rate, rows, rounds, target,
              url, api_key, html, save, markdown, json) -> None:
     import json as jsonlib
 
@@ -190,7 +192,7 @@ def _serving(sink: Sink, model, backend, dtype, new_tokens, requests, prompt_ran
     if not workload.steady:
         sink.info(f"note: {requests} requests at {concurrency} in flight is not a steady state "
                   f"(at least {5 * concurrency} are needed)")
-    result = bench_serving(model, workload, names[0], dtype, rows, targets, url, api_key, progress=sink.info)
+    result = bench_serving(model, workload, names[0], dtype, rows, targets, url, api_key, rounds, progress=sink.info)
     if save is not None:
         save.write_text(jsonlib.dumps(result, indent=2) + "\n", encoding="utf-8")
     if html is not None:

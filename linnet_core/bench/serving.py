@@ -297,52 +297,73 @@ def _start_server(model: str, backend: str, dtype: str, rows: int, cache_len: in
 
 def bench_serving(model, workload: Workload, backend: str = "torch", dtype: str = "auto", rows: int = 8,
                   targets: tuple[str, ...] = ("sequential", "engine", "http"), url: str | None = None,
-                  api_key: str | None = None, progress=lambda text: None) -> dict:
-    from ..compile import load_model, open_model, pick_dtype
-    from ..serve.engine import Engine
-    from .machine import environment, peak_rss
+                  api_key: str | None = None, rounds: int = 1, progress=lambda text: None) -> dict:
+    """Every target `rounds` times, interleaved (a shared machine's drift lands on all of them);
+    each target's row is its median round by output tokens/s, with every round's figure beside it."""
+    from ..compile import open_model, pick_dtype
+    from .machine import environment
 
+    if rounds < 1:
+        raise InputError(f"--rounds must be at least 1, got {rounds}")
     m = open_model(model) if not hasattr(model, "spec") else model
     dt = pick_dtype(dtype, m.spec)
     cache_len = workload.prompt_max + workload.new_tokens
     prompts = round_trippable(workload, m)
-    rows_out = []
-    for target in targets:
-        progress(f"serving bench: {LABELS[target]}")
-        if target == "sequential":
-            session, _ = load_model(m, backend, dt, cache_len, rows=1)
-            results, wall = run_sequential(session, workload, prompts)
-            rows_out.append(summarize("sequential", results, wall, workload, peak_rss(), "peak RSS of this process"))
-        elif target == "engine":
-            session, _ = load_model(m, backend, dt, cache_len, rows=rows)
-            engine = Engine(session, None, prefill_chunk=256, max_waiting=workload.requests + 1)
-            try:
-                results, wall = run_in_process(engine, workload, prompts)
-            finally:
-                engine.stop(timeout=5)
-            rows_out.append(summarize("engine", results, wall, workload, peak_rss(), "peak RSS of this process"))
-        elif target == "http":
-            proc, server = _start_server(str(m.path), backend, dt, rows, cache_len)
-            try:
-                results, wall = run_http(server, workload, prompts)
-                peak = peak_rss(proc.pid)
-            finally:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=60)
-                proc.stderr.close()
-            rows_out.append(summarize("http", results, wall, workload, peak, "peak RSS of the server process"))
-        elif target == "triton":
-            rows_out.append(_triton_target(m, backend, dt, rows, cache_len, workload, prompts, progress))
-    if url:
-        progress(f"serving bench: {url}")
-        results, wall = run_http(url, workload, prompts, api_key=api_key)
-        rows_out.append(summarize("url", results, wall, workload, None, url))
-    for r in rows_out:
-        r["label"] = LABELS[r["target"]] if r["target"] != "url" else url
+    measured: dict[str, list[dict]] = {}
+    for k in range(rounds):
+        for target in targets + (("url",) if url else ()):
+            name = url if target == "url" else LABELS[target]
+            progress(f"serving bench: {name}" + (f" (round {k + 1} of {rounds})" if rounds > 1 else ""))
+            row = _measure(target, m, backend, dt, rows, cache_len, workload, prompts, url, api_key, progress)
+            row["label"] = name
+            measured.setdefault(target, []).append(row)
+    chosen = []
+    for runs in measured.values():
+        by_speed = sorted(runs, key=lambda r: r["output_tok_s"] or 0.0)
+        row = by_speed[(len(by_speed) - 1) // 2]
+        row["rounds_output_tok_s"] = [r["output_tok_s"] for r in runs]
+        chosen.append(row)
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return to_json(workload, report_rows(rows_out), environment(device), str(m.resolved.name), backend, rows)
+    result = to_json(workload, report_rows(chosen), environment(device), str(m.resolved.name), backend, rows)
+    result["rounds"] = rounds
+    return result
+
+
+def _measure(target: str, m, backend: str, dtype: str, rows: int, cache_len: int, workload: Workload,
+             prompts: list[list[int]], url: str | None, api_key: str | None, progress) -> dict:
+    """One round of one target: its summary row."""
+    from ..compile import load_model
+    from ..serve.engine import Engine
+    from .machine import peak_rss
+
+    if target == "sequential":
+        session, _ = load_model(m, backend, dtype, cache_len, rows=1)
+        results, wall = run_sequential(session, workload, prompts)
+        return summarize("sequential", results, wall, workload, peak_rss(), "peak RSS of this process")
+    if target == "engine":
+        session, _ = load_model(m, backend, dtype, cache_len, rows=rows)
+        engine = Engine(session, None, prefill_chunk=256, max_waiting=workload.requests + 1)
+        try:
+            results, wall = run_in_process(engine, workload, prompts)
+        finally:
+            engine.stop(timeout=5)
+        return summarize("engine", results, wall, workload, peak_rss(), "peak RSS of this process")
+    if target == "http":
+        proc, server = _start_server(str(m.path), backend, dtype, rows, cache_len)
+        try:
+            results, wall = run_http(server, workload, prompts)
+            peak = peak_rss(proc.pid)
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+            proc.stderr.close()
+        return summarize("http", results, wall, workload, peak, "peak RSS of the server process")
+    if target == "triton":
+        return _triton_target(m, backend, dtype, rows, cache_len, workload, prompts, progress)
+    results, wall = run_http(url, workload, prompts, api_key=api_key)
+    return summarize("url", results, wall, workload, None, url)
 
 
 COLUMNS = (("output tok/s", "output_tok_s", "{:,.1f}"), ("speed-up", "speedup", "{:.2f}×"),
@@ -365,7 +386,8 @@ def cell(row: dict, key: str, fmt: str) -> str:
 def header(result: dict) -> str:
     w = Workload(**result["workload"])
     steady = "" if result["steady_state"] else " (fewer than 5× the concurrency: not a steady state)"
-    return f"{result['model']} · {result['backend']}, {result['rows']} rows · {w.describe()}{steady}"
+    rounds = f" · median of {result['rounds']} interleaved rounds" if result.get("rounds", 1) > 1 else ""
+    return f"{result['model']} · {result['backend']}, {result['rows']} rows · {w.describe()}{steady}{rounds}"
 
 
 def markdown(result: dict) -> str:
@@ -373,6 +395,9 @@ def markdown(result: dict) -> str:
              "|---|" + "---:|" * len(COLUMNS)]
     for r in result["targets"]:
         lines.append(f"| {r['label']} | " + " | ".join(cell(r, k, f) for _, k, f in COLUMNS) + " |")
+    if result.get("rounds", 1) > 1:
+        lines += ["", "Output tok/s in each round: " + "; ".join(
+            f"{r['label']} " + ", ".join(f"{x:,.1f}" for x in r["rounds_output_tok_s"]) for r in result["targets"])]
     return "\n".join(lines) + "\n"
 
 
