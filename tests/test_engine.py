@@ -91,6 +91,31 @@ def test_stop_strings_stop_ids_and_eos(model):
     assert reason == "length" and ids == free_ids
 
 
+def test_a_failing_step_fails_only_its_culprit(model, monkeypatch):
+    """The step is rerun one chunk at a time (its cache writes are idempotent): only the request
+    whose chunk fails ends with an error; its neighbours finish as if nothing happened."""
+    batched, alone, tok = model
+    poison = 377
+    real = batched.step
+
+    def step(chunks):
+        if any(poison in c.ids for c in chunks):
+            raise RuntimeError("device fault")
+        return real(chunks)
+
+    monkeypatch.setattr(batched, "step", step)
+    engine = Engine(batched, tok)
+    good = [engine.submit(GenerationRequest([5 + i, 6, 7], 6, ignore_eos=True)) for i in range(2)]
+    engine.step()  # the good ones are decoding when the bad one's prompt arrives
+    bad = engine.submit(GenerationRequest([9, poison, 11], 6, ignore_eos=True))
+    while not engine.idle():
+        engine.step()
+    last = list(bad)[-1]
+    assert last.finish_reason == "error" and "device fault" in last.error
+    for i, h in enumerate(good):
+        assert h.result()[1] == run_alone(alone, [5 + i, 6, 7], 6)
+
+
 def _drive(engine, request):
     h = engine.submit(request)
     while not engine.idle():
