@@ -94,8 +94,8 @@ def bench_command(
             if path.is_dir():
                 raise InputError(f"{path} is a folder; give the name of the file to write")
     if serving:
-        _serving(sink, model, backend, dtype, new_tokens, requests, prompt_range, concurrency, rate, rows, rounds, target,
-                 url, api_key, html, save, markdown, json)
+        _serving(sink, model, backend, dtype, new_tokens, requests, prompt_range, concurrency, rate, rows, rounds,
+                 target, url, api_key, html, save, markdown, json)
         return
     method = Method(prompt_tokens, new_tokens, batch, runs, warmups, dtype, cache_len)
     subjects = pick(_names(backend, BACKEND_NAMES, "all"), _names(compare, tuple(COMPARATORS), "all"))
@@ -170,8 +170,8 @@ class _progress:
 
 
 
-def _serving(sink: Sink, model, backend, dtype, new_tokens, requests, prompt_range, concurrency, rate, rows, rounds, target,
-             url, api_key, html, save, markdown, json) -> None:
+def _serving(sink: Sink, model, backend, dtype, new_tokens, requests, prompt_range, concurrency, rate, rows, rounds,
+             target, url, api_key, html, save, markdown, json) -> None:
     import json as jsonlib
 
     from linnet_core.bench.serving import TARGETS, Workload, bench_serving

@@ -27,8 +27,8 @@ def serve_command(
     max_waiting: Annotated[int, typer.Option("--max-waiting", min=1, help="Queued requests before 429.")] = 1024,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1,
                                                       help="Largest max_tokens a request may ask for.")] = None,
-    prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", min=1,
-                                               help="Prompt tokens per step, at most (taken with the decode tokens).")] = 256,
+    prefill_chunk: Annotated[int, typer.Option(
+        "--prefill-chunk", min=1, help="Prompt tokens per step, at most (taken with the decode tokens).")] = 256,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="On SIGTERM, seconds to let requests "
                                                  "in flight finish.")] = 30.0,
     name: Annotated[Optional[str], typer.Option("--name", help="Model name the API reports and expects.")] = None,

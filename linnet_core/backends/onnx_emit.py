@@ -115,8 +115,8 @@ class _Lowering(Lowering):
 class _Group:
     """Entries of one attention call in a ragged step: their rows, positions and reach."""
 
-    def __init__(self, name: str, slots: str, pos: str, kv_len: str, gather, scatter):
-        self.name, self.slots, self.pos, self.kv_len = name, slots, pos, kv_len
+    def __init__(self, slots: str, pos: str, kv_len: str, gather, scatter):
+        self.slots, self.pos, self.kv_len = slots, pos, kv_len
         self.gather, self.scatter = gather, scatter  # packed [1, N, ...] -> [E, T, ...] and back
 
 
@@ -234,11 +234,12 @@ def _ragged_groups(L: _Lowering) -> list[_Group]:
             dims = b.op("Shape", [x])
             entries = b.op("ReduceProd", [b.op("Slice", [dims, b.const([0]), b.const([2])])], keepdims=1)  # [Bp*Tp]
             rest = b.op("Slice", [dims, b.const([2]), b.const([INT64_MAX])])
-            flat = b.op("Reshape", [x, b.op("Concat", [b.const([1]), entries, rest], axis=0)], allowzero=1)  # [1, Bp*Tp, ...]
+            shape = b.op("Concat", [b.const([1]), entries, rest], axis=0)
+            flat = b.op("Reshape", [x, shape], allowzero=1)  # [1, Bp*Tp, ...]
             return b.op("Gather", [flat, "p_pack"], axis=1)
 
-        L.groups = [_Group("decode", "d_slots", decode_in("pos"), "d_kv_len", decode_in, decode_out),
-                    _Group("chunks", "p_slots", chunks_in("pos"), "p_kv_len", chunks_in, chunks_out)]
+        L.groups = [_Group("d_slots", decode_in("pos"), "d_kv_len", decode_in, decode_out),
+                    _Group("p_slots", chunks_in("pos"), "p_kv_len", chunks_in, chunks_out)]
     return L.groups
 
 
@@ -275,7 +276,8 @@ def _attend(L: _Lowering, n: Node, q: str, caches: list[str], pos: str, slots: s
     q5 = b.op("Reshape", [b.op("Transpose", [q], perm=[0, 2, 1, 3]),
                           b.op("Concat", [b_only, b.const([kv_heads, group]), t_only, b.const([hd])], axis=0)], **exact)
     scores = b.op("MatMul", [q5, b.op("Transpose", [keys], perm=[0, 1, 2, 4, 3])])  # [B, KV, G, T, L]
-    scores = b.op("Add", [b.op("Mul", [scores, b.act_const(L.attr(n, "scale"))]), _mask(L, pos, kv_len, L.attr(n, "window"))])
+    mask = _mask(L, pos, kv_len, L.attr(n, "window"))
+    scores = b.op("Add", [b.op("Mul", [scores, b.act_const(L.attr(n, "scale"))]), mask])
     if L.dtype != "float32":  # softmax in float32, as the reference does
         probs = b.op("Cast", [b.op("Softmax", [b.op("Cast", [scores], to=1)], axis=-1)], to=ONNX_DTYPES[L.dtype])
     else:
@@ -284,6 +286,13 @@ def _attend(L: _Lowering, n: Node, q: str, caches: list[str], pos: str, slots: s
     out = b.op("Reshape", [out, b.op("Concat", [b_only, b.const([heads]), t_only, b.const([hd])], axis=0)],
                **exact)  # [B, H, T, D]
     return b.op("Transpose", [out], perm=[0, 2, 1, 3])
+
+
+def _last_token(L: _Lowering, n: Node, x: list[str]) -> list[str]:
+    b = L.b
+    if L.ragged:  # [1, N, H] -> [E, 1, H]: the tokens logits_index names
+        return [b.op("Transpose", [b.op("Gather", [x[0], "logits_index"], axis=1)], perm=[1, 0, 2])]
+    return [b.op("Slice", [x[0], "logits_from", b.const([INT64_MAX]), b.const([1])])]
 
 
 def _silu(L: _Lowering, n: Node, x: list[str]) -> list[str]:
@@ -305,8 +314,7 @@ LOWERINGS: dict[str, OnnxLowering] = {
     "gelu": lambda L, n, x: [L.b.op("Gelu", x, approximate=n.attrs["approximate"])],
     "mul": lambda L, n, x: [L.b.op("Mul", x)],
     "add": lambda L, n, x: [L.b.op("Add", x)],
-    "last_token": lambda L, n, x: [L.b.op("Transpose", [L.b.op("Gather", [x[0], "logits_index"], axis=1)], perm=[1, 0, 2])]
-    if L.ragged else [L.b.op("Slice", [x[0], "logits_from", L.b.const([INT64_MAX]), L.b.const([1])])],
+    "last_token": _last_token,
     "argmax": lambda L, n, x: [L.b.op(
         "ArgMax", [L.b.op("Squeeze", [L.b.op("Slice", [x[0], L.b.const([-1]), L.b.const([INT64_MAX]), L.b.const([1])]),
                                       L.b.const([1])])], axis=-1, keepdims=0)],
@@ -352,7 +360,8 @@ def interface(graph: Graph, dtype: str, cache_len: int, ragged: bool = False) ->
         "cache_len": cache_len,
         "entry": ("one step over N tokens from any mix of cache rows (decode tokens and prompt chunks)" if ragged else
                   "one graph for prefill (T tokens of one row) and batched decode (one token for each of B rows)"),
-        "inputs": {name: [*shape, "int64", doc] for name, (shape, doc) in (RAGGED_INPUTS if ragged else CLASSIC_INPUTS).items()},
+        "inputs": {name: [*shape, "int64", doc]
+                   for name, (shape, doc) in (RAGGED_INPUTS if ragged else CLASSIC_INPUTS).items()},
         "outputs": {"next_token": [entries, "int64", f"greedy choice for each of {rows}"],
                     "logits": [entries, "T'", graph.meta["spec"]["vocab_size"], dtype]},
         "cache": {

@@ -216,8 +216,8 @@ class Engine:
                 self._active[row] = _Active(self._waiting.popleft(), row, self.tokenizer)
         if not self._active:
             return False
-        work = [(a, Chunk([a.last], a.position, a.row, a.sampler)) for a in self._active.values() if a.last is not None]
-        work += self._prompt_chunks()
+        decoding = [a for a in self._active.values() if a.last is not None]
+        work = [(a, Chunk([a.last], a.position, a.row, a.sampler)) for a in decoding] + self._prompt_chunks()
         self._run(work)
         return True
 
@@ -234,7 +234,8 @@ class Engine:
             budget -= end - a.prefilled
             # Only the last chunk's token is used: sampling an earlier one would advance the
             # request's seeded generator and change what it samples later.
-            out.append((a, Chunk(prompt[a.prefilled:end], a.prefilled, a.row, a.sampler if end == len(prompt) else None)))
+            sampler = a.sampler if end == len(prompt) else None
+            out.append((a, Chunk(prompt[a.prefilled:end], a.prefilled, a.row, sampler)))
         return out
 
     def _run(self, work: list[tuple[_Active, Chunk]]) -> None:
