@@ -114,6 +114,31 @@ def test_export_onnx_runs_in_plain_onnxruntime(checkpoints, tmp_path, reference)
     assert outputs["next_token"][0] == expected[0, -1].argmax()
 
 
+def test_the_fixed_form_session_takes_the_same_steps(checkpoints, tmp_path):
+    """TensorRT runs the fixed [B, T] graph through OrtSession; on the CPU provider, that path
+    gives the ragged artifact's tokens for prefill, batched decode and a mixed step."""
+    from linnet_core.backends.ort_backend import OrtSession
+    from linnet_core.runtime.session import Chunk
+
+    path = checkpoints["mistral-window"]
+    ragged, compiled = load_model(path, "onnxruntime", "float32", 32, rows=3)
+    graph = optimize(build_graph(load_spec(path)))
+    emit_onnx(graph, Checkpoint(sorted(path.glob("*.safetensors"))), "float32", 32, tmp_path)
+    info = json.loads((compiled.artifact / "artifact.json").read_text())
+    fixed = OrtSession(ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"]),
+                       info, 3, "cpu", "onnxruntime", ragged=False)
+
+    def run(s):
+        tokens = [s.prefill(list(range(3, 3 + n)), slot=r).tokens[0] for r, n in enumerate((5, 9, 2))]
+        tokens += s.decode([5, 6, 7], [5, 9, 2], [0, 1, 2]).tokens
+        tokens += s.step([Chunk([8], 6, 0), Chunk(list(range(20, 27)), 3, 2), Chunk([9], 10, 1)])
+        return tokens, s.prefill([11, 12], slot=1, start=11, logits="all").logits
+
+    (want, want_logits), (got, got_logits) = run(ragged), run(fixed)
+    assert got == want
+    np.testing.assert_allclose(got_logits, want_logits, atol=2e-5, rtol=1e-5)
+
+
 def test_bad_export_input_leaves_nothing(tmp_path):
     from typer.testing import CliRunner
 
