@@ -50,10 +50,12 @@ def probe(session, slot: int, prompt: list[int], tokens: list[int]) -> torch.Ten
                                             logits="last").logits)
 
 
-# The ragged graph on every family (windows, GQA, partial rotary, fused weights); the backends
-# that take a step as one call per chunk length on one family each.
-PAIRS = [("onnxruntime", case) for case in FAMILY_CASES if "onnxruntime" in CPU_BACKENDS] \
-    + [(backend, "mistral-window") for backend in CPU_BACKENDS if backend != "onnxruntime"]
+# The ragged steps (ONNX Runtime's graph, the generated PyTorch) on every family (windows, GQA,
+# partial rotary, fused weights); the backends that take a step as one call per chunk length on
+# one family each.
+RAGGED = [b for b in ("onnxruntime", "torch") if b in CPU_BACKENDS]
+PAIRS = [(backend, case) for backend in RAGGED for case in FAMILY_CASES] \
+    + [(backend, "mistral-window") for backend in CPU_BACKENDS if backend not in RAGGED]
 
 
 @pytest.mark.parametrize("backend,case", PAIRS)
@@ -61,12 +63,14 @@ def test_mixed_steps_leave_every_row_as_if_alone(backend, case, checkpoints):
     mixed, _ = load_model(checkpoints[case], backend, "float32", CACHE, rows=len(PROMPTS))
     alone, _ = load_model(checkpoints[case], backend, "float32", CACHE, rows=1)
     calls = []
-    if hasattr(mixed, "_call"):  # ONNX Runtime: count device calls
-        real = mixed._call
-        mixed._call = lambda *a, **k: calls.append(1) or real(*a, **k)
+    device_call = {"onnxruntime": "_call", "torch": "step_fn"}.get(backend)
+    if device_call:  # count the calls the ragged backends make
+        real = getattr(mixed, device_call)
+        setattr(mixed, device_call, lambda *a, **k: calls.append(1) or real(*a, **k))
     got, steps = run_mixed(mixed)
-    if hasattr(mixed, "_call"):
-        assert len(calls) == steps  # the ragged graph takes each mixed step in one call
+    if device_call:
+        setattr(mixed, device_call, real)
+        assert len(calls) == steps  # a ragged step is one call, decode rows and chunks alike
     for r, prompt in enumerate(PROMPTS):
         want = [alone.prefill(prompt, slot=0).tokens[0]]
         while len(want) < NEW:

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import BackendUnavailable
 from ..ir.graph import Graph
-from ..runtime.session import Session
+from ..runtime.session import Chunk, Session
 from ..weights import Checkpoint
 from .jax_backend import MIN_PROMPT_BUCKET, bucket, warm_up
 from . import cpu_kernels
@@ -95,6 +95,10 @@ class CompiledTorchSession(TorchSession):
         self.frozen = FrozenStep(module.step, weights, self.cache_len).eval()
         self.compiled = torch.compile(self.frozen, fullgraph=True, dynamic=False, mode=mode)
 
+    def _run_chunks(self, chunks: Sequence[Chunk]) -> list[int]:
+        # Compiled per bucket of [B, T]: a step runs as one call per chunk length, not ragged.
+        return Session._run_chunks(self, chunks)
+
     def _run(self, ids: Sequence[Sequence[int]], start: Sequence[int], slots: Sequence[int], all_logits: bool):
         B, T = len(ids), len(ids[0])
         Bp = bucket(B, 1, self.rows)
@@ -120,7 +124,7 @@ class CompiledTorchSession(TorchSession):
 class InductorBackend(TorchBackend):
     name = "inductor"
     title = "inductor"
-    artifact_format = "2"
+    artifact_format = "3"
     mode: str | None = None  # torch.compile mode
 
     def toolchain(self) -> dict[str, str]:

@@ -19,6 +19,7 @@ import torch
 from ..errors import BackendUnavailable
 from ..ir.graph import Graph
 from ..ir.passes import optimize
+from ..runtime.ragged import ragged_layout
 from ..runtime.session import Chunk, Session
 from ..weights import Checkpoint
 from .base import Backend, write_artifact_info
@@ -113,35 +114,19 @@ class OrtSession(Session):
     @staticmethod
     def _ragged_feeds(ids: Sequence[Sequence[int]], start: Sequence[int], slots: Sequence[int],
                       all_logits: bool) -> dict[str, torch.Tensor]:
-        """The ragged graph's inputs for entries of any lengths: one-token entries first, then
-        the chunks; logits for each entry's last token (for every token when all_logits)."""
-        order = sorted(range(len(ids)), key=lambda i: len(ids[i]) > 1)  # stable: equal kinds keep their order
-        first, n = {}, 0
-        for i in order:
-            first[i], n = n, n + len(ids[i])
-        flat_ids = [t for i in order for t in ids[i]]
-        pos = [start[i] + k for i in order for k in range(len(ids[i]))]
-        token_slots = [slots[i] for i in order for _ in ids[i]]
-        single = [i for i in order if len(ids[i]) == 1]
-        chunks = [i for i in order if len(ids[i]) > 1]
-        tp = max((len(ids[i]) for i in chunks), default=1)
-        # A short chunk repeats its last token: same query, same position, its output dropped.
-        p_index = [[first[i] + min(k, len(ids[i]) - 1) for k in range(tp)] for i in chunks]
-        p_pack = [j * tp + k for j, i in enumerate(chunks) for k in range(len(ids[i]))]
-        logits_index = list(range(n)) if all_logits else [first[i] + len(ids[i]) - 1 for i in range(len(ids))]
+        """The ragged graph's inputs (see runtime.ragged)."""
+        lay = ragged_layout(ids, start, slots, all_logits)
+        n, bp = len(lay.ids), len(lay.p_slots)
 
         def t(values, *shape):
             return torch.tensor(values, dtype=torch.int64).reshape(*shape)
 
         return {
-            "ids": t(flat_ids, 1, n), "pos": t(pos, 1, n), "token_slots": t(token_slots, 1, n),
-            "d_slots": t([slots[i] for i in single], len(single)),
-            "d_kv_len": t([max([start[i] + 1 for i in single], default=1)], 1),
-            "p_slots": t([slots[i] for i in chunks], len(chunks)),
-            "p_index": t(p_index, len(chunks), tp),
-            "p_pack": t(p_pack, len(p_pack)),
-            "p_kv_len": t([max([start[i] + len(ids[i]) for i in chunks], default=1)], 1),
-            "logits_index": t(logits_index, len(logits_index)),
+            "ids": t(lay.ids, 1, n), "pos": t(lay.pos, 1, n), "token_slots": t(lay.token_slots, 1, n),
+            "d_slots": t(lay.d_slots, len(lay.d_slots)), "d_kv_len": t([lay.d_kv_len], 1),
+            "p_slots": t(lay.p_slots, bp), "p_index": t(lay.p_index, bp, lay.chunk_len),
+            "p_pack": t(lay.p_pack, len(lay.p_pack)), "p_kv_len": t([lay.p_kv_len], 1),
+            "logits_index": t(lay.logits_index, len(lay.logits_index)),
         }
 
     def _call(self, feeds: dict[str, torch.Tensor], rows: int | None = None, per_row: int = 1):

@@ -21,7 +21,8 @@ from .. import params as prepared
 from ..errors import BackendUnavailable
 from ..ir.graph import Graph
 from ..ir.passes import optimize
-from ..runtime.session import Session
+from ..runtime.ragged import ragged_layout
+from ..runtime.session import Chunk, Session
 from ..weights import Checkpoint, write_safetensors
 from .base import Backend, write_artifact_info
 from .cpu_kernels import pack_linear_weights
@@ -101,6 +102,24 @@ class TorchSession(Session):
             return self.step_fn(self.weights, ids_t, start_t, slots_t, last, kv_len, self.k_cache, self.v_cache,
                                 all_logits)
 
+    def _run_chunks(self, chunks: Sequence[Chunk]) -> list[int]:
+        """The step as one ragged call: linear layers over all its tokens at once."""
+        lay = ragged_layout([c.ids for c in chunks], [c.start for c in chunks], [c.slot for c in chunks])
+        dev = self.device
+
+        def t(values, *shape):
+            return torch.tensor(values, dtype=torch.int64, device=dev).reshape(*shape)
+
+        n = len(lay.ids)
+        ragged = {"pos": t(lay.pos, 1, n), "token_slots": t(lay.token_slots, 1, n), "d_slots": t(lay.d_slots, -1),
+                  "d_kv_len": lay.d_kv_len, "p_slots": t(lay.p_slots, -1),
+                  "p_index": t(lay.p_index, len(lay.p_slots), lay.chunk_len), "p_pack": t(lay.p_pack, -1),
+                  "p_kv_len": lay.p_kv_len, "logits_index": t(lay.logits_index, -1)}
+        with torch.inference_mode():
+            greedy, logits = self.step_fn(self.weights, t(lay.ids, 1, n), None, ragged["token_slots"], None, 0,
+                                          self.k_cache, self.v_cache, False, ragged)
+        return self._choose(greedy, logits, [c.sampler for c in chunks])
+
 
 class TorchBackend(Backend):
     stack = "PyTorch"
@@ -108,7 +127,7 @@ class TorchBackend(Backend):
     title = "generated PyTorch"
 
     # Bump when the artifact's files or their meaning change, so older cache entries miss.
-    artifact_format = "5"
+    artifact_format = "6"
 
     def toolchain(self) -> dict[str, str]:
         return {"torch": torch.__version__, "format": self.artifact_format}
