@@ -140,18 +140,14 @@ def run_in_process(engine, workload: Workload, prompts: list[list[int]]) -> tupl
     from ..serve import Mailbox
     from ..serve.engine import GenerationRequest
 
-    mailboxes: list[Mailbox] = []
-
-    async def one(prompt: list[int]) -> RequestResult:
-        if not mailboxes:
-            mailboxes.append(Mailbox(asyncio.get_running_loop()))
+    async def one(prompt: list[int], mailbox: Mailbox) -> RequestResult:
         q: asyncio.Queue = asyncio.Queue()
         res = RequestResult(True, time.perf_counter())
         try:
             handle = engine.submit(GenerationRequest(prompt, workload.new_tokens, ignore_eos=True))
         except InputError as e:
             return RequestResult(False, res.start, error=e.message)
-        handle.subscribe(lambda d: mailboxes[0].post(q, (time.perf_counter(), d)))
+        handle.subscribe(lambda d: mailbox.post(q, (time.perf_counter(), d)))
         while True:
             at, d = await q.get()
             res.token_times += [at] * len(d.token_ids)
@@ -159,8 +155,12 @@ def run_in_process(engine, workload: Workload, prompts: list[list[int]]) -> tupl
                 res.ok, res.error, res.end = d.finish_reason == "length", d.error, at
                 return res
 
+    async def main():
+        mailbox = Mailbox(asyncio.get_running_loop())
+        return await _paced(workload, prompts, lambda prompt: one(prompt, mailbox))
+
     engine.start()
-    return asyncio.run(_paced(workload, prompts, one))
+    return asyncio.run(main())
 
 
 async def _stream(client, path: str, body: dict, tokens_in) -> RequestResult:
