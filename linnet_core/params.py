@@ -11,11 +11,10 @@ from typing import Iterator
 
 import torch
 
+from .dtypes import torch_dtype
 from .errors import CheckpointError
 from .ir.graph import Graph, Param
 from .weights import Checkpoint
-
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def check_against(graph: Graph, ckpt: Checkpoint) -> None:
@@ -55,7 +54,7 @@ def layout(graph: Graph, dtype: str) -> tuple[list[tuple[str, tuple[int, ...], t
             aliases[full] = stored[source]
             continue
         stored[source] = full
-        entries.append((full, p.shape, TORCH_DTYPES[dtype]))
+        entries.append((full, p.shape, torch_dtype(dtype)))
     return entries, aliases
 
 
@@ -64,7 +63,7 @@ def produce(graph: Graph, ckpt: Checkpoint, dtype: str) -> Iterator[torch.Tensor
     _, aliases = layout(graph, dtype)
     for full, p, layer in graph.all_params():
         if full not in aliases:
-            yield materialize(p, layer, ckpt, TORCH_DTYPES[dtype])
+            yield materialize(p, layer, ckpt, torch_dtype(dtype))
 
 
 def linear_weights(graph: Graph) -> dict[str, list[str]]:

@@ -1,17 +1,26 @@
-"""What a backend is: an emitter that writes an artifact folder, and a loader that runs it."""
+"""What a backend is: an emitter that writes an artifact folder, and a loader that runs it.
+
+`compile` is one template for every backend: lower the graph (the default passes, then the
+ragged form where the backend takes ragged steps), check it against the checkpoint before a
+byte is written, emit the code, write the weights, write the info, then build what the first
+load would otherwise build. A backend fills in `emit` and `load`, and overrides the other steps
+only where its artifact differs (see docs/adding-a-backend.md).
+"""
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
+from .. import params as prepared
+from ..dtypes import DTYPES
 from ..ir.graph import Graph
+from ..ir.passes import optimize
+from ..ir.ragged import to_ragged
 from ..runtime.session import Session
 from ..weights import Checkpoint
-from . import DTYPES
-
+from .artifact import WEIGHTS_FILE, write_artifact_info, write_prepared_weights
 
 
 class Backend(ABC):
@@ -19,6 +28,8 @@ class Backend(ABC):
     title: str  # how pages and tables name it
     stack: str  # the ecosystem it runs in, as bench pages group rows: PyTorch, JAX, ONNX Runtime and TensorRT
     dtypes: tuple[str, ...] = DTYPES
+    ragged: bool = False  # emits the ragged step (ir.ragged): every session step is one call
+    artifact_format = "1"  # bump when the artifact's files or their meaning change
 
     @abstractmethod
     def toolchain(self) -> dict[str, str]:
@@ -28,23 +39,36 @@ class Backend(ABC):
         """Raise BackendUnavailable, saying why in one line, when this backend cannot run here."""
         return None
 
-    @abstractmethod
+    def lower(self, graph: Graph) -> Graph:
+        """The graph this backend emits."""
+        g = optimize(graph)
+        return to_ragged(g) if self.ragged else g
+
     def compile(self, graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path) -> None:
         """Write the artifact's files into `out` (a fresh temporary folder)."""
+        graph = self.lower(graph)
+        prepared.check_against(graph, ckpt)  # names and shapes, before anything is written
+        emitted = self.emit(graph, dtype, cache_len, out)
+        self.write_weights(graph, ckpt, dtype, out, emitted)
+        write_artifact_info(out, graph, dtype, cache_len, format=self.artifact_format, **self.artifact_extra(graph))
+        self.finish(out)
+
+    @abstractmethod
+    def emit(self, graph: Graph, dtype: str, cache_len: int, out: Path) -> Any:
+        """Write the artifact's code (a module, a graph); returns what `write_weights` may need."""
+
+    def write_weights(self, graph: Graph, ckpt: Checkpoint, dtype: str, out: Path, emitted: Any) -> None:
+        """The prepared weights, in the compile dtype, as the passes fused them."""
+        write_prepared_weights(out / WEIGHTS_FILE, graph, ckpt, dtype)
+
+    def artifact_extra(self, graph: Graph) -> dict[str, Any]:
+        """Backend-specific entries of artifact.json."""
+        return {}
+
+    def finish(self, out: Path) -> None:
+        """Build into the artifact what the first load would otherwise build (engines, compiled
+        buckets), so every later run is a load."""
 
     @abstractmethod
     def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
         """A ready session over a complete artifact folder."""
-
-
-def write_artifact_info(out: Path, graph: Graph, dtype: str, cache_len: int, **extra: Any) -> None:
-    info = {
-        "dtype": dtype,
-        "cache_len": cache_len,
-        "cache": vars(graph.cache),
-        "vocab_size": graph.meta["spec"]["vocab_size"],
-        "model_type": graph.meta["model_type"],
-        **extra,
-    }
-    (out / "artifact.json").write_text(json.dumps(info, indent=2))
-    (out / "graph.json").write_text(json.dumps(graph.to_json(), indent=1))

@@ -12,26 +12,43 @@ compile time, so a second process loads compiled code instead of compiling it ag
 
 from __future__ import annotations
 
-import json
 import os
+import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from ..errors import BackendUnavailable
-from ..ir.graph import Graph
-from ..runtime.session import Chunk, Session
-from ..weights import Checkpoint
-from .jax_backend import MIN_PROMPT_BUCKET, bucket, warm_up
+from ..runtime.session import Session
 from . import cpu_kernels
+from .artifact import MIN_PROMPT_BUCKET, WEIGHTS_FILE, bucket, import_generated, load_prepared_weights, read_info, \
+    warm_up
 from .cpu_kernels import pack_linear_weights
-from .torch_backend import TorchBackend, TorchSession, import_generated, load_prepared_weights
+from .torch_backend import TorchBackend, TorchSession
+
+# Inductor reads its cache folder from the environment whenever it compiles; the variable is
+# the process's, so each session sets it around its own calls, one session at a time.
+_CACHE_DIR_LOCK = threading.RLock()
 
 
-def use_inductor_cache(folder: Path) -> None:
-    """Point inductor's on-disk caches (FX graph and kernels) at `folder`; read when compiling."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+@contextmanager
+def inductor_cache(folder: Path) -> Iterator[None]:
+    """Inductor's on-disk caches (FX graph and kernels) in `folder` while the block runs."""
+    with _CACHE_DIR_LOCK:
+        previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+
+def configure_inductor() -> None:
     import torch._inductor.config as inductor_config
 
     inductor_config.fx_graph_cache = True
@@ -81,11 +98,12 @@ class FrozenStep(torch.nn.Module):
 
 
 class CompiledTorchSession(TorchSession):
-    """TorchSession over a compiled step: padded to buckets, one spare row for padding rows."""
+    """TorchSession over a compiled dense step: padded to buckets, one spare row for padding rows."""
 
     def __init__(self, module, weights, kernels: list, info: dict, rows: int, device: str, backend: str,
-                 mode: str | None):
+                 mode: str | None, cache_dir: Path):
         super().__init__(module, weights, info, rows + 1, device, backend)
+        self.cache_dir = cache_dir
         self.kernels = kernels
         self.rows = rows  # row `rows` is the spare one that padding rows write into
         # The caches are updated in place every step: a static address lets inductor write them
@@ -94,10 +112,6 @@ class CompiledTorchSession(TorchSession):
         torch._dynamo.mark_static_address(self.v_cache)
         self.frozen = FrozenStep(module.step, weights, self.cache_len).eval()
         self.compiled = torch.compile(self.frozen, fullgraph=True, dynamic=False, mode=mode)
-
-    def _run_chunks(self, chunks: Sequence[Chunk]) -> list[int]:
-        # Compiled per bucket of [B, T]: a step runs as one call per chunk length, not ragged.
-        return Session._run_chunks(self, chunks)
 
     def _run(self, ids: Sequence[Sequence[int]], start: Sequence[int], slots: Sequence[int], all_logits: bool):
         B, T = len(ids), len(ids[0])
@@ -112,36 +126,34 @@ class CompiledTorchSession(TorchSession):
         slots_p[:B] = torch.tensor(slots)
         last = torch.full((Bp,), T - 1, dtype=torch.int64)
         allow_bucket_recompiles()
-        with torch.inference_mode(), cpu_kernels.active(self.kernels):
+        with torch.inference_mode(), cpu_kernels.active(self.kernels), inductor_cache(self.cache_dir):
             next_token, logits = self.compiled(ids_p.to(dev), start_p.to(dev), slots_p.to(dev), last.to(dev),
                                                self.k_cache, self.v_cache, all_logits)
-        if all_logits:  # the greedy token of a padded prompt is at `last`, not at the bucket's end
-            next_token = logits[torch.arange(Bp, device=dev), last.to(dev)].argmax(-1)
-            logits = logits[:B, :T]
-        return next_token[:B], logits[:B]
+        return next_token[:B], (logits[:B, :T] if all_logits else logits[:B])
 
 
 class InductorBackend(TorchBackend):
     name = "inductor"
     title = "inductor"
-    artifact_format = "3"
+    ragged = False  # compiled per bucket of [B, T]: a mixed step runs as one call per chunk length
+    artifact_format = "4"
     mode: str | None = None  # torch.compile mode
 
     def toolchain(self) -> dict[str, str]:
         return {**super().toolchain(), "backend": self.name, "format": self.artifact_format}
 
-    def compile(self, graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path) -> None:
-        super().compile(graph, ckpt, dtype, cache_len, out)
+    def finish(self, out: Path) -> None:
         warm_up(self.load(out, rows=1))
 
     def load(self, artifact: Path, rows: int, device: str | None = None, pack_weights: bool = True) -> Session:
-        use_inductor_cache(artifact / "inductor_cache")
+        configure_inductor()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        info = json.loads((artifact / "artifact.json").read_text())
+        info = read_info(artifact)
         module = import_generated(artifact / "model.py", "linnet_inductor")
-        weights = load_prepared_weights(artifact / "weights.safetensors", device)
+        weights = load_prepared_weights(artifact / WEIGHTS_FILE, device)
         kernels = pack_linear_weights(weights, info["linear_weights"]) if device == "cpu" and pack_weights else []
-        return CompiledTorchSession(module, weights, kernels, info, rows, device, self.name, self.mode)
+        return CompiledTorchSession(module, weights, kernels, info, rows, device, self.name, self.mode,
+                                    artifact / "inductor_cache")
 
 
 class CudaGraphsBackend(InductorBackend):

@@ -9,24 +9,22 @@ first buckets at compile time, so a warm load does not compile them again.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from ..dtypes import numpy_dtype
 from ..errors import BackendUnavailable
 from ..ir.graph import Graph
-from ..ir.passes import optimize
 from ..runtime.sampling import Sampler
 from ..runtime.session import Session
-from ..weights import Checkpoint
-from .base import Backend, write_artifact_info
-from .torch_backend import import_generated, load_prepared_weights, write_prepared_weights
+from .artifact import MIN_PROMPT_BUCKET, WEIGHTS_FILE, bucket, import_generated, load_prepared_weights, read_info, \
+    warm_up
+from .base import Backend
 
 INSTALL_HINT = "pip install 'linnet[jax]'"
-MIN_PROMPT_BUCKET = 16
 
 
 def import_jax():
@@ -63,12 +61,6 @@ def release_compilation_cache() -> None:
     jax.config.update("jax_compilation_cache_dir", None)
 
 
-def bucket(n: int, lowest: int, highest: int) -> int:
-    """The power of two at or above n (at least `lowest`), capped at `highest` when n fits under it."""
-    size = max(lowest, 1 << (n - 1).bit_length())
-    return max(n, min(size, highest))
-
-
 def to_jax(t: torch.Tensor):
     """A host tensor as a device array; bfloat16 goes through its bits (numpy has no bfloat16)."""
     import jax.numpy as jnp
@@ -84,15 +76,13 @@ class XlaSession(Session):
 
     def __init__(self, info: dict, rows: int, backend: str):
         import jax.numpy as jnp
-        import ml_dtypes
 
         self.backend, self.rows = backend, rows
         self.dtype, self.cache_len, self.vocab_size = info["dtype"], info["cache_len"], info["vocab_size"]
         c = info["cache"]
-        np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[self.dtype]
         shape = (c["layers"], rows, c["kv_heads"], self.cache_len, c["head_dim"])
-        self.k_cache = jnp.zeros(shape, dtype=np_dtype)
-        self.v_cache = jnp.zeros(shape, dtype=np_dtype)
+        self.k_cache = jnp.zeros(shape, dtype=numpy_dtype(self.dtype))
+        self.v_cache = jnp.zeros(shape, dtype=numpy_dtype(self.dtype))
 
     def _device_step(self, ids, start, slots, last, all_logits: bool):
         """Run one padded step; returns (next_token, logits) device arrays, caches updated."""
@@ -138,7 +128,7 @@ class XlaBackend(Backend):
     """What the two XLA backends share: JAX as the toolchain (its version and platform key the cache)."""
 
     stack = "JAX"
-    artifact_format = "1"
+    artifact_format = "2"
 
     def toolchain(self) -> dict[str, str]:
         jax = import_jax()
@@ -152,27 +142,20 @@ class JaxBackend(XlaBackend):
     name = "jax"
     title = "XLA (generated JAX)"
 
-    def compile(self, graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path) -> None:
+    def emit(self, graph: Graph, dtype: str, cache_len: int, out: Path) -> None:
         from .jax_emit import emit
 
-        graph = optimize(graph)
         (out / "model_jax.py").write_text(emit(graph))
-        write_prepared_weights(out / "weights.safetensors", graph, ckpt, dtype)
-        write_artifact_info(out, graph, dtype, cache_len)
+
+    def finish(self, out: Path) -> None:
         warm_up(self.load(out, rows=1))
         release_compilation_cache()  # `out` is about to be renamed: JAX must not keep writing there
 
     def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
         use_compilation_cache(artifact / "xla_cache")
-        info = json.loads((artifact / "artifact.json").read_text())
+        info = read_info(artifact)
         module = import_generated(artifact / "model_jax.py", "linnet_jax")
-        host = load_prepared_weights(artifact / "weights.safetensors", "cpu")
+        host = load_prepared_weights(artifact / WEIGHTS_FILE, "cpu")
         weights = {"global": {k: to_jax(v) for k, v in host["global"].items()},
                    "layers": [{k: to_jax(v) for k, v in layer.items()} for layer in host["layers"]]}
         return JaxSession(module, weights, info, rows, self.name)
-
-
-def warm_up(session: Session) -> None:
-    """Compile the smallest prompt bucket and the one-row decode into the persistent cache."""
-    session.prefill([0, 0])  # two tokens: one would take the decode shape
-    session.decode([0], [2], [0])

@@ -5,14 +5,15 @@ and one output per layer and per K/V, `[rows, kv_heads, cache_len, head_dim]`: b
 to its input's buffer and ScatterND updates the cache in place. The next token is an output
 (ArgMax in the graph), so a greedy step moves B integers to the host, never the logits.
 
-The ragged form (ONNX Runtime's artifact) takes one step of N tokens from any mix of rows: the
-linear layers run over the N tokens packed together, and attention runs twice, over the
-one-token rows and over the multi-token chunks padded to one length. So decode rows ride along
-with a prompt chunk in one pass over the weights, the way serving engines batch.
+A ragged graph (ir.ragged; ONNX Runtime's artifact) takes one step of N tokens from any mix of
+rows: the linear layers run over the N tokens packed together, and attention runs twice, over
+the one-token rows and over the multi-token chunks padded to one length. The dense form (B rows
+of T tokens) is what TensorRT's builder and `linnet export onnx` take.
 
 Weights are streamed to one external data file as they are prepared, so a model of any size is
 emitted in bounded memory and stays under protobuf's 2 GB limit. Each IR op lowers through one
-function in LOWERINGS; an op without one fails at emit time, naming it.
+function in LOWERINGS, the math through backends.decompose (whose primitives OnnxGraphBuilder
+implements) or one of ONNX's own fused kernels; an op without a lowering fails at emit, naming it.
 """
 
 from __future__ import annotations
@@ -27,16 +28,20 @@ import torch
 
 from .. import __version__
 from .. import params as prepared
+from ..dtypes import DTYPES, FORMATS, ONNX_INT64, torch_dtype
 from ..errors import BackendUnavailable, IRError
 from ..ir.graph import Graph, Node
+from ..ir.ragged import RAGGED_INPUTS
 from ..ir.rope import inv_freq
 from ..ir.verify import verify
 from ..weights import Checkpoint
+from . import decompose
 from .lowering import Lowering
 
+# The one place for what every emitted ONNX model declares (and ONNX Runtime's probes use).
 OPSET = 23
+IR_VERSION = 10  # what ONNX Runtime 1.20+ reads; opset 23 needs >= 10
 INT64_MAX = np.iinfo(np.int64).max
-ONNX_DTYPES = {"float32": 1, "float16": 10, "bfloat16": 16}  # onnx.TensorProto enum values
 
 
 def require_onnx():
@@ -59,6 +64,7 @@ class OnnxGraphBuilder:
         self.initializers: list = []
         self._consts: dict[tuple, str] = {}
         self._names: set[str] = set()
+        self._unsqueezed: dict[tuple, str] = {}
 
     def fresh(self, base: str) -> str:
         name, k = base, 1
@@ -94,8 +100,95 @@ class OnnxGraphBuilder:
             return c
         key = ("cast", c)
         if key not in self._consts:
-            self._consts[key] = self.op("Cast", [c], to=ONNX_DTYPES[self.dtype])
+            self._consts[key] = self.op("Cast", [c], to=FORMATS[self.dtype].onnx)
         return self._consts[key]
+
+    # -- decompose.MathBuilder (ONNX broadcasts numpy-style itself) --------------------------
+    def add(self, a: str, b: str) -> str:
+        return self.op("Add", [a, b])
+
+    def sub(self, a: str, b: str) -> str:
+        return self.op("Sub", [a, b])
+
+    def mul(self, a: str, b: str) -> str:
+        return self.op("Mul", [a, b])
+
+    def div(self, a: str, b: str) -> str:
+        return self.op("Div", [a, b])
+
+    def neg(self, a: str) -> str:
+        return self.op("Neg", [a])
+
+    def rsqrt(self, a: str) -> str:
+        return self.op("Reciprocal", [self.op("Sqrt", [a])])
+
+    def cos(self, a: str) -> str:
+        return self.op("Cos", [a])
+
+    def sin(self, a: str) -> str:
+        return self.op("Sin", [a])
+
+    def tanh(self, a: str) -> str:
+        return self.op("Tanh", [a])
+
+    def erf(self, a: str) -> str:
+        return self.op("Erf", [a])
+
+    def sigmoid(self, a: str) -> str:
+        return self.op("Sigmoid", [a])
+
+    def le(self, a: str, b: str) -> str:
+        return self.op("LessOrEqual", [a, b])
+
+    def gt(self, a: str, b: str) -> str:
+        return self.op("Greater", [a, b])
+
+    def and_(self, a: str, b: str) -> str:
+        return self.op("And", [a, b])
+
+    def where(self, cond: str, a: str, b: str) -> str:
+        return self.op("Where", [cond, a, b])
+
+    def scalar(self, value: float, kind: str) -> str:
+        if kind == "index":
+            return self.const(int(value))
+        return self.const(value, np.float32) if kind == "f32" else self.act_const(value)
+
+    def f32_array(self, values) -> str:
+        return self.const(values, np.float32, "rope_inv_freq")
+
+    def to_f32(self, a: str) -> str:
+        return a if self.dtype == "float32" else self.op("Cast", [a], to=FORMATS["float32"].onnx)
+
+    def index_to_f32(self, a: str) -> str:
+        return self.op("Cast", [a], to=FORMATS["float32"].onnx)
+
+    def to_act(self, a: str) -> str:
+        return a if self.dtype == "float32" else self.op("Cast", [a], to=FORMATS[self.dtype].onnx)
+
+    def mean_last(self, a: str) -> str:
+        return self.op("ReduceMean", [a, self.const([-1])], keepdims=1)
+
+    def softmax_last(self, a: str) -> str:
+        return self.op("Softmax", [a], axis=-1)
+
+    def slice_last(self, a: str, lo: int, hi: int) -> str:
+        return self.op("Slice", [a, self.const([lo]), self.const([hi]), self.const([-1])])
+
+    def concat_last(self, parts: list[str]) -> str:
+        return self.op("Concat", parts, axis=-1)
+
+    def unsqueeze(self, a: str, axes: list[int]) -> str:
+        key = (a, tuple(axes))  # made once: rope's cos and sin are unsqueezed by every layer
+        if key not in self._unsqueezed:
+            self._unsqueezed[key] = self.op("Unsqueeze", [a, self.const(list(axes))])
+        return self._unsqueezed[key]
+
+    def qk(self, q: str, k: str) -> str:
+        return self.op("MatMul", [q, self.op("Transpose", [self.unsqueeze(k, [2])], perm=[0, 1, 2, 4, 3])])
+
+    def pv(self, p: str, v: str) -> str:
+        return self.op("MatMul", [p, self.unsqueeze(v, [2])])
 
 
 class _Lowering(Lowering):
@@ -103,11 +196,11 @@ class _Lowering(Lowering):
 
     emitter = "ONNX"
 
-    def __init__(self, g: Graph, b: OnnxGraphBuilder, dtype: str, cache_len: int, ragged: bool = False):
+    def __init__(self, g: Graph, b: OnnxGraphBuilder, dtype: str, cache_len: int):
         super().__init__(g, LOWERINGS)
-        self.b, self.dtype, self.cache_len, self.ragged = b, dtype, cache_len, ragged
+        self.b, self.dtype, self.cache_len = b, dtype, cache_len
         self.scatter_idx: str | None = None
-        self.masks: dict[object, str] = {}
+        self.biases: dict[object, str] = {}
         self.row_index: dict[tuple[str, str], str] = {}
         self.groups: list[_Group] | None = None
 
@@ -124,8 +217,6 @@ OnnxLowering = Callable[[_Lowering, Node, list[str]], list[str]]
 
 
 def _positions(L: _Lowering, n: Node, x: list[str]) -> list[str]:
-    if L.ragged:
-        return ["pos"]  # [1, N], given per token
     b = L.b
     t = b.op("Gather", [b.op("Shape", [x[1]]), b.const(1)], axis=0)  # T
     steps = b.op("Range", [b.const(0), t, b.const(1)])  # [T]
@@ -133,15 +224,7 @@ def _positions(L: _Lowering, n: Node, x: list[str]) -> list[str]:
 
 
 def _rope_table(L: _Lowering, n: Node, x: list[str]) -> list[str]:
-    b = L.b
-    freqs = np.asarray(inv_freq(n.attrs["rope"], n.attrs["rotary_dim"]), dtype=np.float32)
-    angles = b.op("Mul", [b.op("Unsqueeze", [b.op("Cast", [x[0]], to=1), b.const([2])]),
-                          b.const(freqs, np.float32, "rope_inv_freq")])  # [B, T, rot/2], float32
-    emb = b.op("Concat", [angles, angles], axis=-1)  # [B, T, rot]
-    to = ONNX_DTYPES[L.dtype]
-    # [B, T, 1, rot]: broadcast over heads
-    return [b.op("Unsqueeze", [b.op("Cast", [b.op(f, [emb])], to=to), b.const([2])], name)
-            for f, name in (("Cos", "rope_cos"), ("Sin", "rope_sin"))]
+    return list(decompose.rope_table(L.b, x[0], inv_freq(n.attrs["rope"], n.attrs["rotary_dim"])))
 
 
 def _linear(L: _Lowering, n: Node, x: list[str]) -> list[str]:
@@ -158,48 +241,27 @@ def _reshape(L: _Lowering, n: Node, x: list[str]) -> list[str]:
     return [L.b.op("Reshape", [x[0], L.b.const(dims)])]
 
 
-def _rope(L: _Lowering, n: Node, x: list[str]) -> list[str]:
-    b = L.b
-    rot = L.g.values[n.inputs[1]].shape[-1]
-    head = L.g.values[n.inputs[0]].shape[-1]
-    half = rot // 2
-
-    def part(lo: int, hi: int) -> str:
-        return b.op("Slice", [x[0], b.const([lo]), b.const([hi]), b.const([-1])])
-
-    x_rot = part(0, rot) if rot < head else x[0]
-    x1 = b.op("Slice", [x_rot, b.const([0]), b.const([half]), b.const([-1])])
-    x2 = b.op("Slice", [x_rot, b.const([half]), b.const([rot]), b.const([-1])])
-    rotated = b.op("Concat", [b.op("Neg", [x2]), x1], axis=-1)
-    out = b.op("Add", [b.op("Mul", [x_rot, x[1]]), b.op("Mul", [rotated, x[2]])])
-    return [b.op("Concat", [out, part(rot, head)], axis=-1) if rot < head else out]
-
-
-def _scatter_indices(L: _Lowering, pos: str, slots: str, kv_heads: int) -> str:
+def _scatter_indices(L: _Lowering, pos: str, slots: str, kv_heads: int, per_token: bool) -> str:
     """ScatterND indices [B, T, KV, 3] = (slot, head, position) for cache [rows, KV, S, D];
-    slots is [B] (one per entry) or, ragged, [1, N] (one per token)."""
+    slots is [B] (one per entry) or, per_token (ragged), [1, N]."""
     if L.scatter_idx is None:
         b = L.b
         shape = b.op("Concat", [b.op("Shape", [pos]), b.const([kv_heads, 1])], axis=0)  # [B, T, KV, 1]
-        slot = b.op("Expand", [b.op("Unsqueeze", [slots, b.const([2, 3] if L.ragged else [1, 2, 3])]), shape])
+        slot = b.op("Expand", [b.op("Unsqueeze", [slots, b.const([2, 3] if per_token else [1, 2, 3])]), shape])
         heads = b.op("Expand", [b.const(np.arange(kv_heads).reshape(1, 1, kv_heads, 1)), shape])
         position = b.op("Expand", [b.op("Unsqueeze", [pos, b.const([2, 3])]), shape])
         L.scatter_idx = b.op("Concat", [slot, heads, position], "cache_index", axis=-1)
     return L.scatter_idx
 
 
-def _mask(L: _Lowering, pos: str, kv_len: str, window) -> str:
-    """Additive mask [B, 1, 1, T, kv_len]: 0 where a query may see a key, -inf elsewhere."""
-    if (pos, window) not in L.masks:
+def _bias(L: _Lowering, pos: str, kv_len: str, window) -> str:
+    """The additive attention mask [B, 1, 1, T, kv_len] (decompose.attention_bias), one per
+    group of queries and window."""
+    if (pos, window) not in L.biases:
         b = L.b
         key_pos = b.op("Range", [b.const(0), b.op("Squeeze", [kv_len, b.const([0])]), b.const(1)])  # [L]
-        q_pos = b.op("Unsqueeze", [pos, b.const([2])])  # [B, T, 1]
-        allowed = b.op("LessOrEqual", [key_pos, q_pos])  # causal; also hides stale cache entries
-        if window is not None:
-            allowed = b.op("And", [allowed, b.op("Greater", [key_pos, b.op("Sub", [q_pos, b.const(window)])])])
-        bias = b.op("Where", [allowed, b.act_const(0.0), b.act_const(-np.inf)])  # [B, T, L]
-        L.masks[(pos, window)] = b.op("Unsqueeze", [bias, b.const([1, 2])], f"mask_w{window}")
-    return L.masks[(pos, window)]
+        L.biases[(pos, window)] = decompose.attention_bias(b, pos, key_pos, window)
+    return L.biases[(pos, window)]
 
 
 def _row_index(L: _Lowering, slots: str, kv_len: str, kv_heads: int) -> str:
@@ -213,12 +275,13 @@ def _row_index(L: _Lowering, slots: str, kv_len: str, kv_heads: int) -> str:
     return L.row_index[(slots, kv_len)]
 
 
-def _ragged_groups(L: _Lowering) -> list[_Group]:
+def _ragged_groups(L: _Lowering, pos: str, index: list[str]) -> list[_Group]:
     """The two attention groups of a ragged step: the one-token rows (the first Bd tokens) and
     the chunks, gathered into [Bp, Tp] by `p_index` (padding repeats a chunk's last token)."""
     if L.groups is None:
         b = L.b
-        n_decode = b.op("Shape", ["d_slots"])  # [1] = Bd
+        d_slots, d_kv_len, p_slots, p_index, p_pack, p_kv_len = index
+        n_decode = b.op("Shape", [d_slots])  # [1] = Bd
 
         def decode_in(x: str) -> str:  # [1, N, ...] -> [Bd, 1, ...]
             head = b.op("Slice", [x, b.const([0]), n_decode, b.const([1])])
@@ -228,7 +291,7 @@ def _ragged_groups(L: _Lowering) -> list[_Group]:
             return b.op("Unsqueeze", [b.op("Squeeze", [x, b.const([1])]), b.const([0])])
 
         def chunks_in(x: str) -> str:  # [1, N, ...] -> [Bp, Tp, ...]
-            return b.op("Squeeze", [b.op("Gather", [x, "p_index"], axis=1), b.const([0])])
+            return b.op("Squeeze", [b.op("Gather", [x, p_index], axis=1), b.const([0])])
 
         def chunks_out(x: str) -> str:  # [Bp, Tp, ...] -> [1, Np, ...]: padding dropped
             dims = b.op("Shape", [x])
@@ -236,67 +299,57 @@ def _ragged_groups(L: _Lowering) -> list[_Group]:
             rest = b.op("Slice", [dims, b.const([2]), b.const([INT64_MAX])])
             shape = b.op("Concat", [b.const([1]), entries, rest], axis=0)
             flat = b.op("Reshape", [x, shape], allowzero=1)  # [1, Bp*Tp, ...]
-            return b.op("Gather", [flat, "p_pack"], axis=1)
+            return b.op("Gather", [flat, p_pack], axis=1)
 
-        L.groups = [_Group("d_slots", decode_in("pos"), "d_kv_len", decode_in, decode_out),
-                    _Group("p_slots", chunks_in("pos"), "p_kv_len", chunks_in, chunks_out)]
+        L.groups = [_Group(d_slots, decode_in(pos), d_kv_len, decode_in, decode_out),
+                    _Group(p_slots, chunks_in(pos), p_kv_len, chunks_in, chunks_out)]
     return L.groups
 
 
 def _attention(L: _Lowering, n: Node, x: list[str]) -> list[str]:
     b, i = L.b, L.layer
     kv_heads = L.g.values[n.inputs[1]].shape[2]
-    q, k, v, pos, slots = x
-    idx = _scatter_indices(L, pos, slots, kv_heads)
+    q, k, v, pos, slots = x[:5]
+    ragged = L.attr(n, "ragged")
+    idx = _scatter_indices(L, pos, slots, kv_heads, per_token=ragged)
     caches = [b.op("ScatterND", [f"{kind}_cache.{i}", idx, new], f"{kind}_cache_out.{i}")
               for kind, new in (("k", k), ("v", v))]
-    if not L.ragged:
+    if not ragged:
         return [_attend(L, n, q, caches, pos, slots, "kv_len")]
-    outs = [g.scatter(_attend(L, n, g.gather(q), caches, g.pos, g.slots, g.kv_len)) for g in _ragged_groups(L)]
+    groups = _ragged_groups(L, pos, x[5:])
+    outs = [g.scatter(_attend(L, n, g.gather(q), caches, g.pos, g.slots, g.kv_len, exact=True)) for g in groups]
     return [b.op("Concat", outs, axis=1)]  # [1, N, H, D]: the decode rows' tokens come first
 
 
-def _attend(L: _Lowering, n: Node, q: str, caches: list[str], pos: str, slots: str, kv_len: str) -> str:
-    """q [B, T, H, D] over the first kv_len positions of cache rows `slots` -> [B, T, H, D]."""
+def _attend(L: _Lowering, n: Node, q: str, caches: list[str], pos: str, slots: str, kv_len: str,
+            exact: bool = False) -> str:
+    """q [B, T, H, D] over the first kv_len positions of cache rows `slots` -> [B, T, H, D].
+    `exact`: B may be 0 (a ragged group with no entries), so a 0 in a shape is a size, not "keep"."""
     b, g = L.b, L.g
     q_shape, k_shape = g.values[n.inputs[0]].shape, g.values[n.inputs[1]].shape
     heads, kv_heads, hd = q_shape[2], k_shape[2], q_shape[3]
-    attended = []
-    for cache in caches:
-        # This step's rows, first kv_len positions, in one copy: [B, KV, L, D]
-        flat = b.op("Reshape", [cache, b.const([-1, hd])])  # [rows*KV*S, D], a view
-        rows = b.op("Gather", [flat, _row_index(L, slots, kv_len, kv_heads)], axis=0)
-        attended.append(b.op("Unsqueeze", [rows, b.const([2])]))  # [B, KV, 1, L, D]
-    keys, values = attended
+    # This step's rows, first kv_len positions, in one copy each: [B, KV, L, D]
+    keys, values = (b.op("Gather", [b.op("Reshape", [cache, b.const([-1, hd])]),  # [rows*KV*S, D], a view
+                                    _row_index(L, slots, kv_len, kv_heads)], axis=0) for cache in caches)
     group = heads // kv_heads
     # [B, T, H, D] -> [B, KV, G, T, D]; the shape is spelled out, as B may be 0 in a ragged step
     bt = b.op("Slice", [b.op("Shape", [q]), b.const([0]), b.const([2])])  # [B, T]
     b_only, t_only = (b.op("Slice", [bt, b.const([k]), b.const([k + 1])]) for k in (0, 1))
-    exact = {"allowzero": 1} if L.ragged else {}  # a 0 in these shapes is a size, not "keep"
+    zeros = {"allowzero": 1} if exact else {}
     q5 = b.op("Reshape", [b.op("Transpose", [q], perm=[0, 2, 1, 3]),
-                          b.op("Concat", [b_only, b.const([kv_heads, group]), t_only, b.const([hd])], axis=0)], **exact)
-    scores = b.op("MatMul", [q5, b.op("Transpose", [keys], perm=[0, 1, 2, 4, 3])])  # [B, KV, G, T, L]
-    mask = _mask(L, pos, kv_len, L.attr(n, "window"))
-    scores = b.op("Add", [b.op("Mul", [scores, b.act_const(L.attr(n, "scale"))]), mask])
-    if L.dtype != "float32":  # softmax in float32, as the reference does
-        probs = b.op("Cast", [b.op("Softmax", [b.op("Cast", [scores], to=1)], axis=-1)], to=ONNX_DTYPES[L.dtype])
-    else:
-        probs = b.op("Softmax", [scores], axis=-1)
-    out = b.op("MatMul", [probs, values])  # [B, KV, G, T, D]
+                          b.op("Concat", [b_only, b.const([kv_heads, group]), t_only, b.const([hd])], axis=0)], **zeros)
+    bias = _bias(L, pos, kv_len, L.attr(n, "window"))
+    out = decompose.attend(b, q5, keys, values, bias, L.attr(n, "scale"))  # [B, KV, G, T, D]
     out = b.op("Reshape", [out, b.op("Concat", [b_only, b.const([heads]), t_only, b.const([hd])], axis=0)],
-               **exact)  # [B, H, T, D]
+               **zeros)  # [B, H, T, D]
     return b.op("Transpose", [out], perm=[0, 2, 1, 3])
 
 
 def _last_token(L: _Lowering, n: Node, x: list[str]) -> list[str]:
     b = L.b
-    if L.ragged:  # [1, N, H] -> [E, 1, H]: the tokens logits_index names
-        return [b.op("Transpose", [b.op("Gather", [x[0], "logits_index"], axis=1)], perm=[1, 0, 2])]
+    if L.attr(n, "ragged"):  # [1, N, H] -> [E, 1, H]: the tokens logits_index names
+        return [b.op("Transpose", [b.op("Gather", [x[0], x[1]], axis=1)], perm=[1, 0, 2])]
     return [b.op("Slice", [x[0], "logits_from", b.const([INT64_MAX]), b.const([1])])]
-
-
-def _silu(L: _Lowering, n: Node, x: list[str]) -> list[str]:
-    return [L.b.op("Mul", [x[0], L.b.op("Sigmoid", [x[0]])])]
 
 
 LOWERINGS: dict[str, OnnxLowering] = {
@@ -308,9 +361,10 @@ LOWERINGS: dict[str, OnnxLowering] = {
     "split": lambda L, n, x: L.b.op("Split", [x[0], L.b.const(n.attrs["sizes"])], len(n.outputs), axis=-1)
     if len(n.outputs) > 1 else [x[0]],
     "reshape": _reshape,
-    "rope": _rope,
+    "rope": lambda L, n, x: [decompose.rope(L.b, *x, L.g.values[n.inputs[1]].shape[-1],
+                                            L.g.values[n.inputs[0]].shape[-1])],
     "attention": _attention,
-    "silu": _silu,
+    "silu": lambda L, n, x: [decompose.silu(L.b, x[0])],
     "gelu": lambda L, n, x: [L.b.op("Gelu", x, approximate=n.attrs["approximate"])],
     "mul": lambda L, n, x: [L.b.op("Mul", x)],
     "add": lambda L, n, x: [L.b.op("Add", x)],
@@ -327,30 +381,27 @@ def transposed(graph: Graph) -> set[str]:
     return set(names["global"]) | {graph.block_param_name(n, i) for i in range(graph.block.count) for n in names["block"]}
 
 
-CLASSIC_INPUTS = {
+# The dense entry point's inputs: the graph's own (ids, start, slots), then two of the frame's.
+DENSE_INPUTS: dict[str, tuple[list, str]] = {
     "ids": (["B", "T"], "token ids"),
     "start": (["B"], "first position of this step in each row"),
     "slots": (["B"], "cache row of each batch entry"),
     "kv_len": ([1], "positions to attend over: max(start + T)"),
     "logits_from": ([1], "first position whose logits are returned: T-1 for the last only, 0 for all"),
 }
-RAGGED_INPUTS = {
-    "ids": ([1, "N"], "the step's tokens: the one-token rows first, then each chunk's tokens"),
-    "pos": ([1, "N"], "position of each token in its row"),
-    "token_slots": ([1, "N"], "cache row of each token"),
-    "d_slots": (["Bd"], "cache row of each one-token row (the first Bd tokens)"),
-    "d_kv_len": ([1], "positions the one-token rows attend over: max(pos + 1), at least 1"),
-    "p_slots": (["Bp"], "cache row of each chunk"),
-    "p_index": (["Bp", "Tp"], "token index of each chunk position; a short chunk repeats its last token"),
-    "p_pack": (["Np"], "for each chunk token in order, its place in the flattened [Bp, Tp]"),
-    "p_kv_len": ([1], "positions the chunks attend over: max(pos + 1), at least 1"),
-    "logits_index": (["E"], "tokens whose logits and next token are returned"),
-}
 
 
-def interface(graph: Graph, dtype: str, cache_len: int, ragged: bool = False) -> dict:
+def step_inputs(graph: Graph) -> dict[str, tuple[list, str]]:
+    """The entry point's int64 inputs in order: name -> (shape, meaning)."""
+    if graph.ragged:
+        return {name: (list(shape), doc) for name, (shape, doc) in RAGGED_INPUTS.items()}
+    return DENSE_INPUTS
+
+
+def interface(graph: Graph, dtype: str, cache_len: int) -> dict:
     """The entry point's names, shapes and cache layout, for people who run the graph elsewhere."""
     c = graph.cache
+    ragged = graph.ragged
     entries, rows = ("E", "the tokens logits_index names") if ragged else ("B", "B")
     return {
         "format": "linnet-onnx-ragged/1" if ragged else "linnet-onnx/1",
@@ -360,8 +411,7 @@ def interface(graph: Graph, dtype: str, cache_len: int, ragged: bool = False) ->
         "cache_len": cache_len,
         "entry": ("one step over N tokens from any mix of cache rows (decode tokens and prompt chunks)" if ragged else
                   "one graph for prefill (T tokens of one row) and batched decode (one token for each of B rows)"),
-        "inputs": {name: [*shape, "int64", doc]
-                   for name, (shape, doc) in (RAGGED_INPUTS if ragged else CLASSIC_INPUTS).items()},
+        "inputs": {name: [*shape, "int64", doc] for name, (shape, doc) in step_inputs(graph).items()},
         "outputs": {"next_token": [entries, "int64", f"greedy choice for each of {rows}"],
                     "logits": [entries, "T'", graph.meta["spec"]["vocab_size"], dtype]},
         "cache": {
@@ -373,63 +423,74 @@ def interface(graph: Graph, dtype: str, cache_len: int, ragged: bool = False) ->
     }
 
 
-def emit_onnx(graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path,
-              model_name: str = "model.onnx", ragged: bool = False) -> dict:
-    """Write `model.onnx` and its external weights into `out`; returns the interface JSON.
-    `ragged` takes steps in the ragged form (see the module's docstring)."""
-    onnx = require_onnx()
+def build_onnx(graph: Graph, dtype: str, cache_len: int):
+    """The ONNX model of `graph` (its step form), weights not yet attached."""
+    require_onnx()
     from onnx import TensorProto, helper
 
-    if dtype not in ONNX_DTYPES:
+    if dtype not in DTYPES:
         raise IRError(f"the ONNX emitter has no dtype '{dtype}'")
     verify(graph)
     b = OnnxGraphBuilder(dtype)
-    L = _Lowering(graph, b, dtype, cache_len, ragged)
-    elem = ONNX_DTYPES[dtype]
+    L = _Lowering(graph, b, dtype, cache_len)
+    elem = FORMATS[dtype].onnx
     c = graph.cache
-    step_inputs = RAGGED_INPUTS if ragged else CLASSIC_INPUTS
-    inputs = [helper.make_tensor_value_info(name, TensorProto.INT64, shape) for name, (shape, _) in step_inputs.items()]
+    declared = step_inputs(graph)
+    inputs = [helper.make_tensor_value_info(name, ONNX_INT64, shape) for name, (shape, _) in declared.items()]
     for kind in ("k", "v"):
         inputs += [helper.make_tensor_value_info(f"{kind}_cache.{i}", elem, ["rows", c.kv_heads, cache_len, c.head_dim])
                    for i in range(c.layers)]
-    b._names.update(step_inputs)
+    b._names.update(declared)
     for name in [v.name for v in graph.inputs] + [full for full, _, _ in graph.all_params()]:
         L.env[name] = name  # graph inputs and weight initializers keep their names
-    if ragged:  # positions come per token; the cache writes go by each token's row
-        L.env["start"], L.env["slots"] = "pos", "token_slots"
 
     next_token, logits = L.run()
     b.nodes.append(helper.make_node("Identity", [next_token], ["next_token"], name="out_next_token"))
     b.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="out_logits"))
-    entries = "E" if ragged else "B"
+    entries = "E" if graph.ragged else "B"
     outputs = [helper.make_tensor_value_info("next_token", TensorProto.INT64, [entries]),
                helper.make_tensor_value_info("logits", elem, [entries, "Tout", graph.meta["spec"]["vocab_size"]])]
     for kind in ("k", "v"):
         outputs += [helper.make_tensor_value_info(f"{kind}_cache_out.{i}", elem,
                                                   ["rows", c.kv_heads, cache_len, c.head_dim]) for i in range(c.layers)]
-
-    weights = _write_external_weights(graph, ckpt, dtype, out / f"{model_name}.data", f"{model_name}.data")
-    g = helper.make_graph(b.nodes, "linnet", inputs, outputs, initializer=b.initializers + weights)
+    g = helper.make_graph(b.nodes, "linnet", inputs, outputs, initializer=b.initializers)
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="linnet",
                               producer_version=__version__)
-    model.ir_version = 10  # what ONNX Runtime 1.20+ reads; opset 23 needs >= 10
+    model.ir_version = IR_VERSION
+    return model
+
+
+def write_onnx(model, graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path,
+               model_name: str = "model.onnx") -> dict:
+    """Stream the weights into `{model_name}.data`, then write the model that points into it and
+    `interface.json`; returns the interface."""
+    onnx = require_onnx()
+    weights = _write_external_weights(graph, ckpt, dtype, out / f"{model_name}.data", f"{model_name}.data")
+    model.graph.initializer.extend(weights)
     onnx.save_model(model, str(out / model_name))
-    info = interface(graph, dtype, cache_len, ragged)
+    info = interface(graph, dtype, cache_len)
     (out / "interface.json").write_text(json.dumps(info, indent=2))
     return info
+
+
+def emit_onnx(graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path,
+              model_name: str = "model.onnx") -> dict:
+    """Write `model.onnx` and its external weights into `out` in the graph's step form; returns
+    the interface JSON."""
+    prepared.check_against(graph, ckpt)
+    return write_onnx(build_onnx(graph, dtype, cache_len), graph, ckpt, dtype, cache_len, out, model_name)
 
 
 def _write_external_weights(graph: Graph, ckpt: Checkpoint, dtype: str, path: Path, location: str) -> list:
     """Stream every weight into one data file; return TensorProtos that point into it."""
     from onnx import TensorProto
 
-    prepared.check_against(graph, ckpt)
     transpose = transposed(graph)
-    torch_dtype = prepared.TORCH_DTYPES[dtype]
+    torch_dt = torch_dtype(dtype)
     protos = []
     with open(path, "wb") as f:
         for full, p, layer in graph.all_params():
-            t = prepared.materialize(p, layer, ckpt, torch_dtype)
+            t = prepared.materialize(p, layer, ckpt, torch_dt)
             if full in transpose:
                 t = t.t()
             t = t.contiguous()
@@ -438,7 +499,7 @@ def _write_external_weights(graph: Graph, ckpt: Checkpoint, dtype: str, path: Pa
             f.seek(offset)
             raw = t.view(torch.uint8) if t.numel() else t
             f.write(raw.numpy().tobytes())
-            proto = TensorProto(name=full, data_type=ONNX_DTYPES[dtype], dims=list(t.shape),
+            proto = TensorProto(name=full, data_type=FORMATS[dtype].onnx, dims=list(t.shape),
                                 data_location=TensorProto.EXTERNAL)
             for key, value in (("location", location), ("offset", str(offset)), ("length", str(t.numel() * t.element_size()))):
                 entry = proto.external_data.add()

@@ -9,24 +9,22 @@ The graph takes ragged steps (decode rows and prompt chunks in one call: see onn
 from __future__ import annotations
 
 import functools
-import json
 import re
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from ..dtypes import DTYPES, FORMATS, onnx_elem_of_torch, torch_dtype
 from ..errors import BackendUnavailable
 from ..ir.graph import Graph
-from ..ir.passes import optimize
-from ..runtime.ragged import ragged_layout
-from ..runtime.session import Chunk, Session
+from ..runtime.ragged import RaggedLayout
+from ..runtime.session import Session
 from ..weights import Checkpoint
-from .base import Backend, write_artifact_info
-from .onnx_emit import ONNX_DTYPES, emit_onnx, require_onnx
+from .artifact import read_info
+from .base import Backend
+from .onnx_emit import IR_VERSION, OPSET, build_onnx, require_onnx, write_onnx
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-ONNX_OF_TORCH = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16, torch.int64: 7}
 INSTALL_HINT = "pip install 'linnet[onnx]'"
 
 
@@ -56,13 +54,13 @@ def _probe_dtype(providers: tuple[str, ...], dtype: str) -> str | None:
     from onnx import helper
 
     ort = import_ort()
-    elem = ONNX_DTYPES[dtype]
+    elem = FORMATS[dtype].onnx
     node = helper.make_node("MatMul", ["a", "b"], ["c"])
     graph = helper.make_graph([node], "probe", [helper.make_tensor_value_info("a", elem, [2, 2]),
                                                 helper.make_tensor_value_info("b", elem, [2, 2])],
                               [helper.make_tensor_value_info("c", elem, [2, 2])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
-    model.ir_version = 10
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = IR_VERSION
     try:
         ort.InferenceSession(model.SerializeToString(), providers=list(providers))
     except Exception as e:  # ONNX Runtime raises its own exception types
@@ -73,28 +71,24 @@ def _probe_dtype(providers: tuple[str, ...], dtype: str) -> str | None:
 
 def _bind(binding, bind_fn, name: str, t: torch.Tensor) -> None:
     dev = t.device
-    bind_fn(name, dev.type, dev.index or 0, ONNX_OF_TORCH[t.dtype], list(t.shape), t.data_ptr())
+    bind_fn(name, dev.type, dev.index or 0, onnx_elem_of_torch(t.dtype), list(t.shape), t.data_ptr())
 
 
 class OrtSession(Session):
-    def __init__(self, sess, info: dict, rows: int, device: str, backend: str, ragged: bool):
-        self.sess, self.backend, self.rows, self.ragged = sess, backend, rows, ragged
+    def __init__(self, sess, info: dict, rows: int, device: str, backend: str):
+        self.sess, self.backend, self.rows = sess, backend, rows
+        self.ragged = info["step"] == "ragged"
         self.dtype, self.cache_len, self.vocab_size = info["dtype"], info["cache_len"], info["vocab_size"]
         self.device = torch.device(device)
         c = info["cache"]
         shape = (rows, c["kv_heads"], self.cache_len, c["head_dim"])
-        tdt = TORCH_DTYPES[self.dtype]
+        tdt = torch_dtype(self.dtype)
         # Zeroed, not empty: masked positions still pass through the value MatMul (0 x NaN = NaN).
         self.caches = {f"{kind}_cache.{i}": torch.zeros(shape, dtype=tdt, device=self.device)
                        for kind in ("k", "v") for i in range(c["layers"])}
 
     def _run(self, ids: Sequence[Sequence[int]], start: Sequence[int], slots: Sequence[int], all_logits: bool):
         B, T = len(ids), len(ids[0])
-        if self.ragged:
-            next_token, logits = self._call(self._ragged_feeds(ids, start, slots, all_logits))
-            if all_logits:  # one entry per token: [B*T] and [B*T, 1, V]
-                return next_token.view(B, T)[:, -1], logits.view(B, T, -1)
-            return next_token, logits
         feeds = {
             "ids": torch.tensor(ids, dtype=torch.int64),  # [B, T]
             "start": torch.tensor(start, dtype=torch.int64),  # [B]
@@ -104,38 +98,17 @@ class OrtSession(Session):
         }
         return self._call(feeds, B, T if all_logits else 1)
 
-    def _run_chunks(self, chunks: Sequence[Chunk]) -> list[int]:
-        if not self.ragged:
-            return super()._run_chunks(chunks)
-        greedy, logits = self._call(self._ragged_feeds([c.ids for c in chunks], [c.start for c in chunks],
-                                                       [c.slot for c in chunks], False))
-        return self._choose(greedy, logits, [c.sampler for c in chunks])
+    def _run_ragged(self, layout: RaggedLayout):
+        feeds = {name: torch.tensor(values, dtype=torch.int64).reshape(shape)
+                 for name, (values, shape) in layout.inputs().items()}
+        return self._call(feeds, len(layout.logits_index))
 
-    @staticmethod
-    def _ragged_feeds(ids: Sequence[Sequence[int]], start: Sequence[int], slots: Sequence[int],
-                      all_logits: bool) -> dict[str, torch.Tensor]:
-        """The ragged graph's inputs (see runtime.ragged)."""
-        lay = ragged_layout(ids, start, slots, all_logits)
-        n, bp = len(lay.ids), len(lay.p_slots)
-
-        def t(values, *shape):
-            return torch.tensor(values, dtype=torch.int64).reshape(*shape)
-
-        return {
-            "ids": t(lay.ids, 1, n), "pos": t(lay.pos, 1, n), "token_slots": t(lay.token_slots, 1, n),
-            "d_slots": t(lay.d_slots, len(lay.d_slots)), "d_kv_len": t([lay.d_kv_len], 1),
-            "p_slots": t(lay.p_slots, bp), "p_index": t(lay.p_index, bp, lay.chunk_len),
-            "p_pack": t(lay.p_pack, len(lay.p_pack)), "p_kv_len": t([lay.p_kv_len], 1),
-            "logits_index": t(lay.logits_index, len(lay.logits_index)),
-        }
-
-    def _call(self, feeds: dict[str, torch.Tensor], rows: int | None = None, per_row: int = 1):
+    def _call(self, feeds: dict[str, torch.Tensor], rows: int, per_row: int = 1):
         """Bind and run: (next_token [rows], logits [rows, per_row, V]); ragged steps have one row
         per logits_index entry."""
         dev = self.device
-        rows = len(feeds["logits_index"]) if rows is None else rows
         next_token = torch.empty(rows, dtype=torch.int64, device=dev)  # [rows]
-        logits = torch.empty(rows, per_row, self.vocab_size, dtype=TORCH_DTYPES[self.dtype], device=dev)
+        logits = torch.empty(rows, per_row, self.vocab_size, dtype=torch_dtype(self.dtype), device=dev)
         feeds = {name: t.to(dev) for name, t in feeds.items()}  # held until the run ends: bound by pointer
         io = self.sess.io_binding()
         for name, t in feeds.items():
@@ -153,8 +126,8 @@ class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     stack = "ONNX Runtime and TensorRT"
     title = "ONNX Runtime"
-    artifact_format = "2"
-    ragged = True  # the graph takes mixed steps (TensorRT's builder keeps the fixed [B, T] form)
+    artifact_format = "3"
+    ragged = True  # the graph takes mixed steps (TensorRT's builder keeps the dense [B, T] form)
 
     def providers(self) -> list[str]:
         ort = import_ort()
@@ -172,16 +145,19 @@ class OnnxRuntimeBackend(Backend):
 
     def check_available(self, dtype: str) -> None:
         require_onnx()
-        if dtype not in ONNX_DTYPES:
+        if dtype not in DTYPES:
             raise BackendUnavailable(f"the {self.name} backend has no dtype '{dtype}'")
         reason = _probe_dtype(tuple(self.providers()), dtype)
         if reason:
             raise BackendUnavailable(reason, hint="choose another --dtype (float32 runs everywhere), or run on a GPU")
 
-    def compile(self, graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path) -> None:
-        graph = optimize(graph)
-        emit_onnx(graph, ckpt, dtype, cache_len, out, ragged=self.ragged)
-        write_artifact_info(out, graph, dtype, cache_len)
+    def emit(self, graph: Graph, dtype: str, cache_len: int, out: Path):
+        model = build_onnx(graph, dtype, cache_len)
+        # The weights are the model's external data: the model file is written once they are.
+        return lambda ckpt: write_onnx(model, graph, ckpt, dtype, cache_len, out)
+
+    def write_weights(self, graph: Graph, ckpt: Checkpoint, dtype: str, out: Path, emitted) -> None:
+        emitted(ckpt)
 
     def session_options(self):
         ort = import_ort()
@@ -193,7 +169,7 @@ class OnnxRuntimeBackend(Backend):
 
     def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
         ort = import_ort()
-        info = json.loads((artifact / "artifact.json").read_text())
+        info = read_info(artifact)
         providers = self.providers()
         try:
             sess = ort.InferenceSession(str(artifact / "model.onnx"), self.session_options(), providers=providers,
@@ -204,4 +180,4 @@ class OnnxRuntimeBackend(Backend):
                 raise err from None
             raise BackendUnavailable(f"ONNX Runtime could not load {artifact.name}: {str(e).splitlines()[0]}") from None
         dev = "cuda" if providers[0] != "CPUExecutionProvider" else "cpu"
-        return OrtSession(sess, info, rows, device or dev, self.name, self.ragged)
+        return OrtSession(sess, info, rows, device or dev, self.name)

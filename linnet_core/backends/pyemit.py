@@ -1,7 +1,8 @@
 """Emitting readable Python modules from the IR: one line per IR node, shapes in the comments.
 
 A Dialect (generated PyTorch, generated JAX) is a prelude of helper kernels, an op -> template
-table and the step function's frame; this module renders any of them the same way. Each
+table and the step function's frame, for one step form (dense or ragged: see ir.ragged); this
+module renders any of them the same way. Each
 template may use {out} (the outputs), {a} {b} (the first inputs), {args} (all inputs) and
 {<attr>} (each attribute; a per-layer one indexes its table with the loop's `i`). An op without
 a template fails at emit time, naming it. Output is deterministic (golden copies are kept).
@@ -26,10 +27,11 @@ class Dialect:
     array: str  # how a float32 constant array is written: "torch.tensor" / "jnp.array"
     float32: str  # "torch.float32" / "jnp.float32"
     contract: tuple[str, ...]  # docstring lines describing step()
-    signature: str  # "def step(...):"
+    signature: str  # "def step(...):", where {inputs} are the graph's inputs in order
     setup: tuple[str, ...]  # the step's first lines
     loop: str  # the layer loop's header
     returns: str  # the step's last line
+    ragged: bool = False  # the step form it renders
 
 
 class _Ctx:
@@ -78,6 +80,10 @@ def _lines(nodes: list[Node], g: Graph, ctx: _Ctx, d: Dialect, indent: str) -> l
 def emit_module(g: Graph, d: Dialect) -> str:
     """The module's source text for graph `g` in dialect `d` (the graph is verified first)."""
     verify(g)
+    if g.ragged != d.ragged:
+        form = "ragged" if g.ragged else "dense"
+        raise IRError(f"the {d.name} emitter has no {form} step form (its dialect renders "
+                      f"{'ragged' if d.ragged else 'dense'} steps)")
     meta, c = g.meta, g.cache
     spec = meta.get("spec", {})
     rope_node = next(n for n in g.prologue if n.op == "rope_table")
@@ -99,7 +105,7 @@ def emit_module(g: Graph, d: Dialect) -> str:
     body.append(f"], dtype={d.float32})")
     for key, values in g.block.layer_attrs.items():
         body.append(f"{key.upper()} = {tuple(values)!r}  # per layer")
-    body += ["", "", d.signature]
+    body += ["", "", d.signature.format(inputs=", ".join(v.name for v in g.inputs))]
     body += [f"    {line}" for line in d.setup]
     body += _lines(g.prologue, g, _Ctx(g, False), d, "    ")
     body.append(f"    {d.loop}")

@@ -8,27 +8,16 @@ compiling. An emitted module that XLA refuses is an emitter bug: it surfaces wit
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 from pathlib import Path
 
 from ..errors import IRError
 from ..ir.graph import Graph
-from ..ir.passes import optimize
-from ..models import build_graph
-from ..models.spec import ModelSpec, RopeSpec
 from ..runtime.session import Session
-from ..weights import Checkpoint
-from .base import write_artifact_info
-from .jax_backend import XlaBackend, XlaSession, import_jax, to_jax, warm_up
-from .stablehlo_emit import emit_stablehlo, weight_order
-from .torch_backend import load_prepared_weights, write_prepared_weights
-
-
-def spec_from_json(d: dict) -> ModelSpec:
-    return ModelSpec(**{**d, "rope": RopeSpec(**d["rope"]), "layer_windows": tuple(d["layer_windows"]),
-                        "eos_token_ids": tuple(d["eos_token_ids"])})
+from .artifact import WEIGHTS_FILE, flat_weights, load_prepared_weights, read_graph, read_info, warm_up
+from .jax_backend import XlaBackend, XlaSession, import_jax, to_jax
+from .stablehlo_emit import emit_stablehlo
 
 
 def _write_atomic(path: Path, data: bytes | str) -> None:
@@ -88,20 +77,15 @@ class StablehloBackend(XlaBackend):
     name = "stablehlo"
     title = "XLA (StableHLO)"
 
-    def compile(self, graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path) -> None:
-        graph = optimize(graph)
-        write_prepared_weights(out / "weights.safetensors", graph, ckpt, dtype)
-        write_artifact_info(out, graph, dtype, cache_len)
-        (out / "stablehlo").mkdir()
+    def emit(self, graph: Graph, dtype: str, cache_len: int, out: Path) -> None:
+        (out / "stablehlo").mkdir()  # one module per step shape, emitted when first compiled
+
+    def finish(self, out: Path) -> None:
         warm_up(self.load(out, rows=1))
 
     def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
         import_jax()
-        info = json.loads((artifact / "artifact.json").read_text())
-        spec = spec_from_json(json.loads((artifact / "graph.json").read_text())["meta"]["spec"])
-        graph = optimize(build_graph(spec))
-        host = load_prepared_weights(artifact / "weights.safetensors", "cpu")
-        flat = {**host["global"], **{graph.block_param_name(k, i): t for i, layer in enumerate(host["layers"])
-                                     for k, t in layer.items()}}
-        weights = [to_jax(flat[name]) for name in weight_order(graph)]
-        return StablehloSession(artifact, graph, weights, info, rows, self.name)
+        graph = read_graph(artifact)
+        host = load_prepared_weights(artifact / WEIGHTS_FILE, "cpu")
+        weights = [to_jax(w) for w in flat_weights(graph, host)]
+        return StablehloSession(artifact, graph, weights, read_info(artifact), rows, self.name)

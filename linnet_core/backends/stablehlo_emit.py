@@ -5,20 +5,26 @@ real last position) and whether all positions' logits are returned. `@main` take
 the whole KV cache `[L, rows, KV, S, D]` (donated: `tf.aliasing_output`, so XLA updates it in
 place), ids, start, slots and last; it returns the next tokens, the logits and the cache.
 Every op is printed in MLIR's generic form, which every StableHLO release parses the same way.
-Each IR op lowers through one function in LOWERINGS; a missing one fails at emit, naming it.
+Each IR op lowers through one function in LOWERINGS (the math through backends.decompose, which
+`Module` implements the primitives of); a missing one fails at emit, naming it. Dense steps only.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
+import numpy as np
+
+from ..dtypes import FORMATS
+from ..errors import IRError
 from ..ir.graph import Graph, Node
 from ..ir.rope import inv_freq
 from ..ir.verify import verify
+from . import decompose
 from .lowering import Lowering
 
-ELEM = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 NEG_INF_F32 = "0xFF800000"
 
 
@@ -48,11 +54,13 @@ def _float(v: float) -> str:
 
 
 class Module:
-    """Prints StableHLO ops (generic form) with fresh SSA names."""
+    """Prints StableHLO ops (generic form) with fresh SSA names; implements decompose.MathBuilder
+    (numpy-style broadcasting through broadcast_in_dim) over activations of element type `act`."""
 
-    def __init__(self):
+    def __init__(self, act: str = "f32"):
         self.lines: list[str] = []
         self._n = 0
+        self.act = act
 
     def _fresh(self) -> str:
         self._n += 1
@@ -201,6 +209,108 @@ class Module:
                        f"scatter_dimension_numbers = {dn}, indices_are_sorted = false, unique_indices = false", region)
 
 
+    # -- decompose.MathBuilder -------------------------------------------------------------
+    def _to_shape(self, a: V, shape: tuple) -> V:
+        if a.shape == tuple(shape):
+            return a
+        return self.broadcast(a, shape, list(range(len(shape) - len(a.shape), len(shape))))
+
+    def _elementwise(self, name: str, args: list[V], et: str | None = None, attrs: str = "") -> V:
+        shape = tuple(np.broadcast_shapes(*(a.shape for a in args)))
+        return self.op(name, [self._to_shape(a, shape) for a in args], shape, et or args[-1].et, attrs)
+
+    def add(self, a: V, b: V) -> V:
+        return self._elementwise("add", [a, b])
+
+    def sub(self, a: V, b: V) -> V:
+        return self._elementwise("subtract", [a, b])
+
+    def mul(self, a: V, b: V) -> V:
+        return self._elementwise("multiply", [a, b])
+
+    def div(self, a: V, b: V) -> V:
+        return self._elementwise("divide", [a, b])
+
+    def neg(self, a: V) -> V:
+        return self.unary("negate", a)
+
+    def rsqrt(self, a: V) -> V:
+        return self.unary("rsqrt", a)
+
+    def cos(self, a: V) -> V:
+        return self.unary("cosine", a)
+
+    def sin(self, a: V) -> V:
+        return self.unary("sine", a)
+
+    def tanh(self, a: V) -> V:
+        return self.unary("tanh", a)
+
+    def sigmoid(self, a: V) -> V:
+        return self.unary("logistic", a)
+
+    def erf(self, a: V) -> V:
+        out = V(self._fresh(), a.shape, a.et)
+        self.lines.append(f'    {out.name} = "chlo.erf"({a.name}) : ({a.ty}) -> {out.ty}')
+        return out
+
+    def le(self, a: V, b: V) -> V:
+        return self._elementwise("compare", [a, b], "i1", "comparison_direction = #stablehlo<comparison_direction LE>")
+
+    def gt(self, a: V, b: V) -> V:
+        return self._elementwise("compare", [a, b], "i1", "comparison_direction = #stablehlo<comparison_direction GT>")
+
+    def and_(self, a: V, b: V) -> V:
+        return self._elementwise("and", [a, b])
+
+    def where(self, cond: V, a: V, b: V) -> V:
+        return self._elementwise("select", [cond, a, b])
+
+    def scalar(self, value: float, kind: str) -> V:
+        if kind == "index":
+            return self.const(int(value), "i32")
+        et = "f32" if kind == "f32" else self.act
+        return self.const(NEG_INF_F32 if value == -math.inf else value, et)
+
+    def f32_array(self, values: Sequence[float]) -> V:
+        return self.array(list(values))
+
+    def to_f32(self, a: V) -> V:
+        return self.convert(a, "f32")
+
+    def index_to_f32(self, a: V) -> V:
+        return self.convert(a, "f32")
+
+    def to_act(self, a: V) -> V:
+        return self.convert(a, self.act)
+
+    def _keep_last(self, a: V, kind: str) -> V:
+        reduced = self.reduce(a, [len(a.shape) - 1], kind)
+        return self.reshape(reduced, a.shape[:-1] + (1,))
+
+    def mean_last(self, a: V) -> V:
+        return self.div(self._keep_last(a, "add"), self.const(a.shape[-1], a.et))
+
+    def softmax_last(self, a: V) -> V:
+        e = self.unary("exponential", self.sub(a, self._keep_last(a, "maximum")))
+        return self.div(e, self._keep_last(e, "add"))
+
+    def concat_last(self, parts: list[V]) -> V:
+        return self.concat(parts, len(parts[0].shape) - 1)
+
+    def unsqueeze(self, a: V, axes: list[int]) -> V:
+        shape = list(a.shape)
+        for axis in sorted(axes):
+            shape.insert(axis, 1)
+        return self.reshape(a, shape)
+
+    def qk(self, q: V, k: V) -> V:
+        return self.dot(q, k, ([0, 1], [0, 1]), ([4], [3]), q.shape[:4] + (k.shape[2],))
+
+    def pv(self, p: V, v: V) -> V:
+        return self.dot(p, v, ([0, 1], [0, 1]), ([4], [2]), p.shape[:4] + (v.shape[3],))
+
+
 class _Lowering(Lowering):
     """State shared by the StableHLO op lowerings of one module (env holds SSA values)."""
 
@@ -212,6 +322,7 @@ class _Lowering(Lowering):
         self.k_cache: V | None = None
         self.v_cache: V | None = None
         self.last: V | None = None
+        self.biases: dict[object, V] = {}  # attention masks by window: one per graph
 
     def shape(self, ir_name: str) -> tuple[int, ...]:
         sub = {"B": self.B, "T": self.T, "T'": self.T if self.all_logits else 1}
@@ -228,30 +339,12 @@ def _positions(L: _Lowering, n: Node, x: list[V]) -> list[V]:
 
 
 def _rope_table(L: _Lowering, n: Node, x: list[V]) -> list[V]:
-    m = L.m
-    freqs = m.array(inv_freq(n.attrs["rope"], n.attrs["rotary_dim"]))
-    half = freqs.shape[0]
-    shape = (L.B, L.T, half)
-    angles = m.binary("multiply", m.broadcast(m.convert(x[0], "f32"), shape, [0, 1]), m.broadcast(freqs, shape, [2]))
-    emb = m.concat([angles, angles], 2)  # [B, T, rot]
-    return [m.convert(m.unary("cosine", emb), L.act), m.convert(m.unary("sine", emb), L.act)]
+    return list(decompose.rope_table(L.m, x[0], inv_freq(n.attrs["rope"], n.attrs["rotary_dim"])))
 
 
 def _embedding(L: _Lowering, n: Node, x: list[V]) -> list[V]:
     ids = L.m.reshape(x[0], x[0].shape + (1,))
     return [L.m.gather_rows(x[1], ids, [0])]
-
-
-def _rms_norm(L: _Lowering, n: Node, x: list[V]) -> list[V]:
-    m = L.m
-    a, w = x
-    x32 = m.convert(a, "f32")
-    axis = len(a.shape) - 1
-    mean = m.binary("divide", m.reduce(m.binary("multiply", x32, x32), [axis], "add"),
-                    m.const(a.shape[-1], "f32", a.shape[:-1]))
-    scale = m.unary("rsqrt", m.binary("add", mean, m.const(n.attrs["eps"], "f32", a.shape[:-1])))
-    normed = m.convert(m.binary("multiply", x32, m.broadcast(scale, a.shape, list(range(axis)))), a.et)
-    return [m.binary("multiply", m.broadcast(w, a.shape, [axis]), normed)]
 
 
 def _linear(L: _Lowering, n: Node, x: list[V]) -> list[V]:
@@ -270,19 +363,6 @@ def _split(L: _Lowering, n: Node, x: list[V]) -> list[V]:
     return out
 
 
-def _rope(L: _Lowering, n: Node, x: list[V]) -> list[V]:
-    m = L.m
-    a, cos, sin = x
-    B, T, h, D = a.shape
-    rot = cos.shape[-1]
-    shape = (B, T, h, rot)
-    c, s = m.broadcast(cos, shape, [0, 1, 3]), m.broadcast(sin, shape, [0, 1, 3])
-    x_rot = m.slice_last(a, 0, rot) if rot < D else a
-    rotated = m.concat([m.unary("negate", m.slice_last(x_rot, rot // 2, rot)), m.slice_last(x_rot, 0, rot // 2)], 3)
-    out = m.binary("add", m.binary("multiply", x_rot, c), m.binary("multiply", rotated, s))
-    return [m.concat([out, m.slice_last(a, rot, D)], 3) if rot < D else out]
-
-
 def _attention(L: _Lowering, n: Node, x: list[V]) -> list[V]:
     m = L.m
     q, k, v, pos, slots = x
@@ -298,38 +378,12 @@ def _attention(L: _Lowering, n: Node, x: list[V]) -> list[V]:
     rows = m.concat([m.const(L.layer, "i32", (B, 1)), m.reshape(slots, (B, 1))], 1)  # [B, 2]
     keys = m.gather_rows(L.k_cache, rows, [0, 1])  # [B, KV, S, D]
     values = m.gather_rows(L.v_cache, rows, [0, 1])
-    qg = m.reshape(q, (B, T, KV, G, D))
-    scores = m.dot(qg, keys, ([0, 2], [0, 1]), ([4], [3]), (B, KV, T, G, S))  # [B, KV, T, G, S]
-    scores = m.binary("multiply", m.convert(scores, "f32"), m.const(L.attr(n, "scale"), "f32", scores.shape))
-    key_pos = m.iota(scores.shape, 4)
-    q_pos = m.broadcast(pos, scores.shape, [0, 2])
-    allowed = m.compare(key_pos, q_pos, "LE")  # causal; also hides stale cache entries
     window = L.attr(n, "window")
-    if window is not None:
-        recent = m.compare(key_pos, m.binary("subtract", q_pos, m.const(window, "i32", scores.shape)), "GT")
-        allowed = m.binary("and", allowed, recent)
-    scores = m.select(allowed, scores, m.const(NEG_INF_F32, "f32", scores.shape))
-    peak = m.broadcast(m.reduce(scores, [4], "maximum"), scores.shape, [0, 1, 2, 3])
-    e = m.unary("exponential", m.binary("subtract", scores, peak))
-    total = m.broadcast(m.reduce(e, [4], "add"), scores.shape, [0, 1, 2, 3])
-    probs = m.convert(m.binary("divide", e, total), L.act)  # softmax in float32, as the reference
-    out = m.dot(probs, values, ([0, 1], [0, 1]), ([4], [2]), (B, KV, T, G, D))  # [B, KV, T, G, D]
-    return [m.reshape(m.transpose(out, [0, 2, 1, 3, 4]), (B, T, H, D))]
-
-
-def _gelu(L: _Lowering, n: Node, x: list[V]) -> list[V]:
-    m, a = L.m, x[0]
-    if n.attrs["approximate"] == "tanh":  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-        cube = m.binary("multiply", a, m.binary("multiply", a, a))
-        inner = m.binary("multiply", m.const(0.7978845608, a.et, a.shape),
-                         m.binary("add", a, m.binary("multiply", m.const(0.044715, a.et, a.shape), cube)))
-        gate = m.binary("add", m.const(1.0, a.et, a.shape), m.unary("tanh", inner))
-    else:  # 0.5 x (1 + erf(x / sqrt 2)), erf from CHLO
-        scaled = m.binary("multiply", a, m.const(0.7071067812, a.et, a.shape))
-        erf = V(m._fresh(), a.shape, a.et)
-        m.lines.append(f'    {erf.name} = "chlo.erf"({scaled.name}) : ({scaled.ty}) -> {erf.ty}')
-        gate = m.binary("add", m.const(1.0, a.et, a.shape), erf)
-    return [m.binary("multiply", m.binary("multiply", a, m.const(0.5, a.et, a.shape)), gate)]
+    if window not in L.biases:
+        L.biases[window] = decompose.attention_bias(m, pos, m.iota((S,), 0), window)  # [B, 1, 1, T, S]
+    q5 = m.transpose(m.reshape(q, (B, T, KV, G, D)), [0, 2, 3, 1, 4])  # [B, KV, G, T, D]
+    out = decompose.attend(m, q5, keys, values, L.biases[window], L.attr(n, "scale"))  # [B, KV, G, T, D]
+    return [m.reshape(m.transpose(out, [0, 3, 1, 2, 4]), (B, T, H, D))]
 
 
 def _pick_position(L: _Lowering, a: V, position: V) -> V:
@@ -357,14 +411,14 @@ LOWERINGS: dict[str, HloLowering] = {
     "positions": _positions,
     "rope_table": _rope_table,
     "embedding": _embedding,
-    "rms_norm": _rms_norm,
+    "rms_norm": lambda L, n, x: [decompose.rms_norm(L.m, x[0], x[1], n.attrs["eps"])],
     "linear": _linear,
     "split": _split,
     "reshape": lambda L, n, x: [L.m.reshape(x[0], L.shape(n.outputs[0]))],
-    "rope": _rope,
+    "rope": lambda L, n, x: [decompose.rope(L.m, *x, x[1].shape[-1], x[0].shape[-1])],
     "attention": _attention,
-    "silu": lambda L, n, x: [L.m.binary("multiply", x[0], L.m.unary("logistic", x[0]))],
-    "gelu": _gelu,
+    "silu": lambda L, n, x: [decompose.silu(L.m, x[0])],
+    "gelu": lambda L, n, x: [decompose.gelu(L.m, x[0], n.attrs["approximate"])],
     "mul": lambda L, n, x: [L.m.binary("multiply", *x)],
     "add": lambda L, n, x: [L.m.binary("add", *x)],
     "last_token": _last_token,
@@ -372,16 +426,13 @@ LOWERINGS: dict[str, HloLowering] = {
 }
 
 
-def weight_order(graph: Graph) -> list[str]:
-    """The weights' argument order of @main: the graph's own param order."""
-    return [full for full, _, _ in graph.all_params()]
-
-
 def emit_stablehlo(graph: Graph, dtype: str, cache_len: int, rows: int, B: int, T: int, all_logits: bool) -> str:
     """The StableHLO module of one static step shape."""
     verify(graph)
-    act = ELEM[dtype]
-    m = Module()
+    if graph.ragged:
+        raise IRError("the StableHLO emitter has no ragged step form (it emits one module per dense step shape)")
+    act = FORMATS[dtype].hlo
+    m = Module(act)
     L = _Lowering(graph, m, act, B, T, all_logits)
     c = graph.cache
     args: list[str] = []

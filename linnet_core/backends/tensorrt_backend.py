@@ -11,16 +11,14 @@ provider falls back to CUDA for any node TensorRT rejects instead of failing the
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import BackendUnavailable
-from ..ir.graph import Graph
 from ..runtime.session import Session
-from ..weights import Checkpoint
+from .artifact import read_info
 from .ort_backend import OnnxRuntimeBackend, import_ort
 
 GPU_HINT = "pip install 'linnet[gpu]' (onnxruntime-gpu and tensorrt) on a machine with an NVIDIA GPU"
@@ -38,7 +36,7 @@ def _tensorrt_version() -> str:
 class TensorRTBackend(OnnxRuntimeBackend):
     name = "tensorrt"
     title = "TensorRT"
-    artifact_format = "1"
+    artifact_format = "2"
     ragged = False  # one optimisation profile over the fixed [B, T] inputs
 
     def check_available(self, dtype: str) -> None:
@@ -57,7 +55,7 @@ class TensorRTBackend(OnnxRuntimeBackend):
         return ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
 
     def provider_options(self, artifact: Path) -> list[dict[str, Any]]:
-        info = json.loads((artifact / "artifact.json").read_text())
+        info = read_info(artifact)
         c, n = info["cache"], info["cache_len"]
         trt_dir = artifact / "tensorrt"
 
@@ -80,8 +78,7 @@ class TensorRTBackend(OnnxRuntimeBackend):
         }
         return [trt, {}, {}]
 
-    def compile(self, graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path) -> None:
-        super().compile(graph, ckpt, dtype, cache_len, out)
+    def finish(self, out: Path) -> None:
         (out / "tensorrt").mkdir()
         # Build the engine now, into the artifact, so that every later run is a load.
         session = self.load(out, rows=1)

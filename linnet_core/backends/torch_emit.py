@@ -1,7 +1,9 @@
 """Emitter: Linnet IR -> a readable, self-contained PyTorch module (one line per IR node).
 
 Each op renders through one template in TEMPLATES (see pyemit for the machinery); the layer
-block becomes a plain `for` loop over per-layer weight dicts.
+block becomes a plain `for` loop over per-layer weight dicts. Two dialects share the prelude:
+TORCH renders dense steps (B rows of T tokens; inductor compiles it per bucket) and
+TORCH_RAGGED the ragged form of ir.ragged (N tokens from any mix of rows, one call per step).
 """
 
 from __future__ import annotations
@@ -47,31 +49,42 @@ def apply_rope(x, cos, sin):
     return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
 
 
-def attention(q, k, v, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, ragged=None):
-    """Write k, v at `pos` of cache rows `slots` of `layer`, then attend over the first kv_len positions.
+def write_cache(k, v, pos, rows, k_cache, v_cache, layer):
+    """Write k, v [B, T, KV, D] at positions pos [B, T] of cache rows [B, T] of `layer`.
 
-    q [B, T, H, D]; k, v [B, T, KV, D]; caches [L, rows, KV, S, D]; returns [B, T, H, D].
-    The write indexes the whole cache (no view of it), so a compiler can update it in place.
-    A ragged step (B = 1, T = N tokens of many rows) attends twice: the one-token rows, then the
-    chunks padded to one length (see `ragged` in step's docstring).
+    The write indexes the whole cache [L, rows, KV, S, D] (no view of it), so a compiler can
+    update it in place.
     """
-    rows = slots[:, None].expand_as(pos) if ragged is None else ragged["token_slots"]  # [B, T]
     layers = torch.full_like(pos, layer)  # [B, T]
     k_cache[layers, rows, :, pos] = k  # advanced indices first: the target is [B, T, KV, D]
     v_cache[layers, rows, :, pos] = v
+
+
+def attention(q, k, v, pos, slots, kv_len, k_cache, v_cache, layer, window, scale):
+    """Write k, v at `pos` of cache rows `slots` of `layer`, then attend over the first kv_len positions.
+
+    q [B, T, H, D]; k, v [B, T, KV, D]; caches [L, rows, KV, S, D]; returns [B, T, H, D].
+    """
+    write_cache(k, v, pos, slots[:, None].expand_as(pos), k_cache, v_cache, layer)
+    return attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, q.shape[2] != k.shape[2])
+
+
+def ragged_attention(q, k, v, pos, token_slots, d_slots, d_kv_len, p_slots, p_index, p_pack, p_kv_len,
+                     k_cache, v_cache, layer, window, scale):
+    """A ragged step's attention: q [1, N, H, D] of N tokens from many rows, each written at its own
+    row and position, then attended in two groups: the first Bd tokens (one-token rows), and the
+    chunks gathered into [Bp, Tp] by p_index (padding repeats a chunk's last token) -> [1, N, H, D].
+    """
+    write_cache(k, v, pos, token_slots, k_cache, v_cache, layer)
     gqa = q.shape[2] != k.shape[2]
-    if ragged is None:
-        return attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, gqa)
-    outs, n_decode = [], ragged["d_slots"].shape[0]
+    outs, n_decode = [], d_slots.shape[0]
     if n_decode:  # [1, Bd, H, D] -> [Bd, 1, H, D] and back
-        out = attend(q[0, :n_decode, None], pos[0, :n_decode, None], ragged["d_slots"], ragged["d_kv_len"],
+        out = attend(q[0, :n_decode, None], pos[0, :n_decode, None], d_slots, d_kv_len,
                      k_cache, v_cache, layer, window, scale, gqa)
         outs.append(out[:, 0][None])
-    if ragged["p_slots"].shape[0]:  # [1, N, H, D] -> [Bp, Tp, H, D] -> [1, Np, H, D]
-        index = ragged["p_index"]
-        out = attend(q[0][index], pos[0][index], ragged["p_slots"], ragged["p_kv_len"],
-                     k_cache, v_cache, layer, window, scale, gqa)
-        outs.append(out.flatten(0, 1)[ragged["p_pack"]][None])
+    if p_slots.shape[0]:  # [1, N, H, D] -> [Bp, Tp, H, D] -> [1, Np, H, D]
+        out = attend(q[0][p_index], pos[0][p_index], p_slots, p_kv_len, k_cache, v_cache, layer, window, scale, gqa)
+        outs.append(out.flatten(0, 1)[p_pack][None])
     return torch.cat(outs, dim=1)
 
 
@@ -92,7 +105,7 @@ def attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, gqa):
 
 # One template per op (placeholders: see pyemit).
 TEMPLATES: dict[str, str] = {
-    "positions": "{out} = {a}[:, None] + torch.arange(T, device=ids.device) if ragged is None else ragged['pos']",
+    "positions": "{out} = {a}[:, None] + torch.arange(T, device=ids.device)",
     "rope_table": "{out} = rope_table({a}, ROPE_INV_FREQ, dtype)",
     "embedding": "{out} = F.embedding({a}, {b})",
     "rms_norm": "{out} = rms_norm({a}, {b}, {eps})",
@@ -100,16 +113,22 @@ TEMPLATES: dict[str, str] = {
     "split": "{out} = {a}.split({sizes}, dim=-1)",
     "reshape": "{out} = {a}.reshape({shape})",
     "rope": "{out} = apply_rope({args})",
-    "attention": "{out} = attention({args}, kv_len, k_cache, v_cache, i, {window}, {scale}, ragged)",
+    "attention": "{out} = attention({args}, kv_len, k_cache, v_cache, i, {window}, {scale})",
     "silu": "{out} = F.silu({a})",
     "gelu": "{out} = F.gelu({a}, approximate={approximate})",
     "mul": "{out} = {a} * {b}",
     "add": "{out} = {a} + {b}",
-    "last_token": "{out} = {a} if all_logits else {a}[torch.arange(B, device=ids.device), last].unsqueeze(1) "
-                  "if ragged is None else {a}[0, ragged['logits_index'], None]",
-    "argmax": "{out} = {a}[:, -1].argmax(dim=-1)",
+    "last_token": "{out} = {a} if all_logits else {a}[torch.arange(B, device=ids.device), last].unsqueeze(1)",
+    # The real last position: with all logits, a padded prompt's last token is at `last`.
+    "argmax": "{out} = {a}[torch.arange(B, device=ids.device), last if all_logits else 0].argmax(dim=-1)",
 }
-
+# The ragged form has no positions op (positions are an input) and one entry per wanted token.
+RAGGED_TEMPLATES: dict[str, str] = {
+    **{op: t for op, t in TEMPLATES.items() if op != "positions"},
+    "attention": "{out} = ragged_attention({args}, k_cache, v_cache, i, {window}, {scale})",
+    "last_token": "{out} = {a}[0, {b}, None]",
+    "argmax": "{out} = {a}[:, 0].argmax(dim=-1)",
+}
 
 TORCH = Dialect(
     name="torch",
@@ -118,24 +137,40 @@ TORCH = Dialect(
     array="torch.tensor",
     float32="torch.float32",
     contract=(
-        "step(weights, ids, start, slots, last, kv_len, k_cache, v_cache, all_logits=False, ragged=None)",
+        "step(weights, ids, start, slots, last, kv_len, k_cache, v_cache, all_logits=False)",
         "  -> (next_token, logits)",
         "  ids [B, T] int64; start [B] first position of the step per row; slots [B] cache rows;",
         "  last [B] the position in T whose logits are wanted (T - 1 unless prompts are padded);",
         "  k_cache, v_cache [{layers}, rows, {kv_heads}, cache_len, {head_dim}]; kv_len: positions to attend over.",
-        "  ragged: a step of N tokens from many rows, ids [1, N]: a dict of pos and token_slots [1, N],",
-        "  d_slots [Bd] (rows of the first Bd tokens, one each), p_slots [Bp] and p_index [Bp, Tp] (the",
-        "  chunks' tokens, padded by repeating the last), p_pack [Np], d_kv_len, p_kv_len, logits_index [E];",
-        "  start, last and kv_len are then unused.",
     ),
-    signature="def step(weights, ids, start, slots, last, kv_len: int, k_cache, v_cache, all_logits: bool = False,\n"
-              "         ragged=None):",
+    signature="def step(weights, {inputs}, last, kv_len: int, k_cache, v_cache, all_logits: bool = False):",
     setup=('g, layers = weights["global"], weights["layers"]', "B, T = ids.shape", "dtype = k_cache.dtype"),
     loop="for i, w in enumerate(layers):",
     returns="return {outputs}",
 )
 
+TORCH_RAGGED = Dialect(
+    name="torch",
+    prelude=PRELUDE,
+    templates=RAGGED_TEMPLATES,
+    array="torch.tensor",
+    float32="torch.float32",
+    contract=(
+        "step(weights, ids, pos, token_slots, d_slots, d_kv_len, p_slots, p_index, p_pack, p_kv_len,",
+        "     logits_index, k_cache, v_cache) -> (next_token [E], logits [E, 1, V])",
+        "  One ragged step (see linnet_core/ir/ragged.py): ids, pos, token_slots [1, N] int64, the",
+        "  one-token rows' tokens first; d_slots [Bd]; p_slots [Bp], p_index [Bp, Tp], p_pack [Np] for",
+        "  the chunks; d_kv_len, p_kv_len: ints, positions each group attends over; logits_index [E].",
+        "  k_cache, v_cache [{layers}, rows, {kv_heads}, cache_len, {head_dim}], updated in place.",
+    ),
+    signature="def step(weights, {inputs}, k_cache, v_cache):",
+    setup=('g, layers = weights["global"], weights["layers"]', "N = ids.shape[1]", "dtype = k_cache.dtype"),
+    loop="for i, w in enumerate(layers):",
+    returns="return {outputs}",
+    ragged=True,
+)
+
 
 def emit(g: Graph) -> str:
-    """The generated PyTorch module for graph `g`."""
-    return emit_module(g, TORCH)
+    """The generated PyTorch module for graph `g`, in its step form."""
+    return emit_module(g, TORCH_RAGGED if g.ragged else TORCH)

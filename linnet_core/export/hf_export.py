@@ -16,7 +16,8 @@ import torch
 from ..compile import Model, open_model, pick_dtype
 from ..models import build_graph, hf_architecture
 from ..models.spec import ModelSpec
-from ..params import TORCH_DTYPES, layout, materialize
+from ..dtypes import torch_dtype
+from ..params import layout, materialize
 from ..units import parse_size
 from ..weights import Checkpoint, write_safetensors
 from . import ExportResult, copy_tokenizer, output_folder, summarize
@@ -118,7 +119,7 @@ def write_weights(model: Model, out: Path, dtype: str, max_shard_bytes: int) -> 
         def produce(members=members):
             for i in members:
                 p, layer = params[entries[i][0]]
-                yield materialize(p, layer, ckpt, TORCH_DTYPES[dtype])
+                yield materialize(p, layer, ckpt, torch_dtype(dtype))
 
         write_safetensors(out / fname, tensors, produce(), metadata={"format": "pt"})
         for i in members:

@@ -25,7 +25,7 @@ class LayerAttr:
 class Value:
     name: str
     shape: tuple
-    dtype: str  # "act" (the compile dtype), "i64" or "f32"
+    dtype: str  # "act" (the compile dtype) or "i64" (ids, positions, rows); checked by the verifier
 
 
 @dataclass
@@ -114,6 +114,41 @@ class Graph:
             "cache": vars(self.cache),
         }
 
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Graph":
+        """The graph `to_json` wrote, verified again: what was compiled is what is loaded."""
+        from .verify import verify
+
+        def node(n: dict) -> Node:
+            attrs = {k: (LayerAttr(v["layer_attr"]) if isinstance(v, dict) and "layer_attr" in v else v)
+                     for k, v in n["attrs"].items()}
+            return Node(n["op"], tuple(n["in"]), tuple(n["out"]), attrs)
+
+        def params(ps: dict) -> dict[str, Param]:
+            return {n: Param(n, tuple(p["shape"]), tuple(p["parts"])) for n, p in ps.items()}
+
+        blk = d["block"]
+        block = Block(blk["count"], blk["carry"], blk["result"], params(blk["params"]), [node(n) for n in blk["nodes"]],
+                      {k: tuple(v) for k, v in blk["layer_attrs"].items()})
+        g = cls(
+            inputs=[Value(v["name"], tuple(v["shape"]), v["dtype"]) for v in d["inputs"]],
+            params=params(d["params"]),
+            prologue=[node(n) for n in d["prologue"]],
+            block=block,
+            epilogue=[node(n) for n in d["epilogue"]],
+            outputs=tuple(d["outputs"]),
+            values={n: Value(n, tuple(v["shape"]), v["dtype"]) for n, v in d["values"].items()},
+            cache=CacheLayout(**d["cache"]),
+            meta=d["meta"],
+        )
+        verify(g)
+        return g
+
+    @property
+    def ragged(self) -> bool:
+        """Whether the graph takes ragged steps (see ir.ragged.to_ragged)."""
+        return self.meta.get("step") == "ragged"
+
 
 class GraphBuilder:
     """Builds a Graph op by op, inferring every shape as it goes (see ops.OPS)."""
@@ -154,14 +189,14 @@ class GraphBuilder:
         return self.params[name].shape
 
     # -- ops ---------------------------------------------------------------------------------
-    def op(self, op: str, inputs: list[str], out: str | list[str], dtype: str = "act", **attrs: Any):
+    def op(self, op: str, inputs: list[str], out: str | list[str], **attrs: Any):
         """Append a node; returns its output name (or names, when `out` is a list)."""
         shapes = [self.shape(i) for i in inputs]
         layer_free = {k: (self.block.layer_attrs[v.key][0] if isinstance(v, LayerAttr) else v) for k, v in attrs.items()}
         out_shapes = infer(op, shapes, layer_free)
         names = [self._fresh(o) for o in ([out] if isinstance(out, str) else out)]
         for n, s in zip(names, out_shapes, strict=True):
-            self.values[n] = Value(n, s, "i64" if op in ("argmax", "positions") else dtype)
+            self.values[n] = Value(n, s, OPS[op].out_dtype)
         self._nodes.append(Node(op, tuple(inputs), tuple(names), attrs))
         return names[0] if isinstance(out, str) else names
 

@@ -1,13 +1,16 @@
 """The closed op set of the Linnet IR, with the shape rule of each op.
 
 Shapes are tuples of ints and symbols: "B" (rows in the step), "T" (tokens per row), "T'"
-(T, or 1 when only the last position's logits are wanted). The builder infers output shapes
-with these rules and the verifier re-checks them, so a backend can trust every shape it reads.
+(T, or 1 when only the last position's logits are wanted); a ragged step (ir.ragged) has "N"
+tokens from any mix of rows and "E" entries whose logits are wanted. The builder infers output
+shapes with these rules and the verifier re-checks them, so a backend can trust every shape it
+reads. Each op also carries a numpy reference (ir.reference), which the conformance tests run
+every emitter against.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import IRError
@@ -73,12 +76,29 @@ def _rope(x: Shape, cos: Shape, sin: Shape) -> list[Shape]:
     return [x]
 
 
-def _attention(q: Shape, k: Shape, v: Shape, pos: Shape, slots: Shape, *, scale: float, window=None) -> list[Shape]:
+RAGGED_INDEX = 6  # d_slots, d_kv_len, p_slots, p_index, p_pack, p_kv_len (see ir.ragged)
+
+
+def _attention(q: Shape, k: Shape, v: Shape, pos: Shape, slots: Shape, *index: Shape, scale: float, window,
+               ragged: bool) -> list[Shape]:
     _same(k, v)
     _same(q[:2], k[:2], pos)
     _same(q[-1:], k[-1:])
     if q[2] % k[2]:
         raise IRError(f"attention: {q[2]} query heads do not group over {k[2]} KV heads")
+    if not ragged:
+        if index:
+            raise IRError("attention: a dense step takes 5 inputs")
+        _same(slots, q[:1])
+        return [q]
+    if len(index) != RAGGED_INDEX or q[0] != 1:
+        raise IRError(f"attention: a ragged step takes q [1, N, ...] and {5 + RAGGED_INDEX} inputs")
+    d_slots, d_kv_len, p_slots, p_index, p_pack, p_kv_len = index
+    _same(slots, pos)
+    _same(d_kv_len, p_kv_len, (1,))
+    _same(p_slots, p_index[:1])
+    if len(d_slots) != 1 or len(p_pack) != 1 or len(p_index) != 2:
+        raise IRError("attention: d_slots and p_pack are 1-D, p_index is [Bp, Tp]")
     return [q]
 
 
@@ -91,8 +111,12 @@ def _binary(a: Shape, b: Shape) -> list[Shape]:
     return [a]
 
 
-def _last_token(x: Shape) -> list[Shape]:
-    if x[1] != "T":
+def _last_token(x: Shape, logits_index: Shape | None = None, *, ragged: bool) -> list[Shape]:
+    if ragged:  # [1, N, ...] -> [E, 1, ...]: the tokens logits_index names
+        if logits_index is None or len(logits_index) != 1 or x[0] != 1:
+            raise IRError("last_token: a ragged step takes x [1, N, ...] and logits_index [E]")
+        return [(logits_index[0], 1) + x[2:]]
+    if x[1] != "T" or logits_index is not None:
         raise IRError("last_token: expects [B, T, ...]")
     return [(x[0], "T'") + x[2:]]
 
@@ -109,10 +133,12 @@ class OpDef:
     attrs: tuple[str, ...] = ()
     in_block_only: bool = False
     doc: str = ""
+    defaults: dict = field(default_factory=dict)  # attributes a node may leave out, with their values
+    out_dtype: str = "act"  # the dtype of every output: "act" (the compile dtype) or "i64"
 
 
 OPS: dict[str, OpDef] = {
-    "positions": OpDef(_positions, 2, doc="absolute positions [B,T] = start[:,None] + arange(T)"),
+    "positions": OpDef(_positions, 2, doc="absolute positions [B,T] = start[:,None] + arange(T)", out_dtype="i64"),
     "rope_table": OpDef(_rope_table, 1, attrs=("rope", "rotary_dim"), doc="cos, sin [B,T,rot] for positions"),
     "embedding": OpDef(_embedding, 2, doc="row lookup of token ids in a table"),
     "rms_norm": OpDef(_rms_norm, 2, attrs=("eps",), doc="x / rms(x) * weight over the last axis, in float32"),
@@ -121,15 +147,18 @@ OPS: dict[str, OpDef] = {
     "reshape": OpDef(_reshape, 1, attrs=("shape",), doc="reshape (symbols B and T kept)"),
     "rope": OpDef(_rope, 3, doc="rotate the first rotary_dim features of each head (rotate-half layout)"),
     "attention": OpDef(
-        _attention, 5, attrs=("scale", "window"), in_block_only=True,
-        doc="write k, v into this layer's cache rows at pos, attend causally (GQA, optional window)",
+        _attention, 5, optional=RAGGED_INDEX, attrs=("scale", "window", "ragged"), in_block_only=True,
+        defaults={"window": None, "ragged": False},
+        doc="write k, v into this layer's cache rows at pos, attend causally (GQA, optional window); "
+            "ragged: the step's tokens from many rows, attended in two groups (see ir.ragged)",
     ),
     "silu": OpDef(_unary, 1),
     "gelu": OpDef(_unary, 1, attrs=("approximate",)),
     "mul": OpDef(_binary, 2),
     "add": OpDef(_binary, 2),
-    "last_token": OpDef(_last_token, 1, doc="x[:, -1:] unless all positions' logits are asked for"),
-    "argmax": OpDef(_argmax, 1, doc="greedy next token from the last position's logits"),
+    "last_token": OpDef(_last_token, 1, optional=1, attrs=("ragged",), defaults={"ragged": False},
+                        doc="x[:, -1:] unless all positions' logits are asked for; ragged: x[0, logits_index, None]"),
+    "argmax": OpDef(_argmax, 1, doc="greedy next token from the last position's logits", out_dtype="i64"),
 }
 
 
@@ -140,9 +169,13 @@ def infer(op: str, shapes: list[Shape], attrs: dict) -> list[Shape]:
     d = OPS[op]
     if not d.inputs <= len(shapes) <= d.inputs + d.optional:
         raise IRError(f"{op}: takes {d.inputs} inputs, got {len(shapes)}")
+    attrs = {**d.defaults, **attrs}
     missing = [a for a in d.attrs if a not in attrs]
     if missing:
         raise IRError(f"{op}: missing attribute(s) {', '.join(missing)}")
+    unknown = [a for a in attrs if a not in d.attrs]
+    if unknown:
+        raise IRError(f"{op}: unknown attribute(s) {', '.join(unknown)}")
     try:
         return d.infer(*shapes, **{k: attrs[k] for k in d.attrs})
     except IRError as e:

@@ -3,7 +3,8 @@
 It checks what emitters rely on without re-checking: known ops with the right arity and
 attributes, every input defined before use (SSA, with the block's carry), weights that exist
 with the shapes the ops need, per-layer attributes with one value per layer, recorded shapes
-equal to the inferred ones, and the KV cache layout agreeing with the attention ops.
+and dtypes equal to the inferred ones, the KV cache layout agreeing with the attention ops, and
+a step form (dense or ragged) that every attention and last_token node agrees with.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ def verify(g: Graph) -> None:
     defined: set[str] = {v.name for v in g.inputs}
     if len(defined) != len(g.inputs):
         raise IRError("graph inputs have duplicate names")
+    for v in g.inputs:
+        recorded = g.values.get(v.name)
+        if v.dtype != "i64" or recorded is None or (tuple(recorded.shape), recorded.dtype) != (tuple(v.shape), v.dtype):
+            raise IRError(f"graph input '{v.name}' must be an i64 value recorded as declared")
 
     def check(nodes: list[Node], params: dict[str, Param], scope: set[str], in_block: bool, where: str) -> None:
         for idx, n in enumerate(nodes):
@@ -54,7 +59,12 @@ def verify(g: Graph) -> None:
                     raise IRError(f"{at}: output '{o}' is defined twice")
                 if o not in g.values or tuple(g.values[o].shape) != tuple(s):
                     raise IRError(f"{at}: recorded shape of '{o}' disagrees with the inferred {s}")
+                if g.values[o].dtype != OPS[n.op].out_dtype:
+                    raise IRError(f"{at}: recorded dtype of '{o}' is {g.values[o].dtype}, the op gives "
+                                  f"{OPS[n.op].out_dtype}")
                 scope.add(o)
+            if n.op in ("attention", "last_token") and bool(attrs.get("ragged")) != g.ragged:
+                raise IRError(f"{at}: a {'ragged' if g.ragged else 'dense'} graph has a node of the other step form")
             if n.op == "attention":
                 k_shape = g.values[n.inputs[1]].shape
                 if (k_shape[2], k_shape[3]) != (g.cache.kv_heads, g.cache.head_dim):

@@ -63,6 +63,12 @@ class ModelSpec:
         d.pop("extra")
         return d
 
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ModelSpec":
+        """The spec `to_json` wrote (lists back to tuples, the rope back to its record)."""
+        return cls(**{**d, "rope": RopeSpec(**d["rope"]), "layer_windows": tuple(d["layer_windows"]),
+                      "eos_token_ids": tuple(d["eos_token_ids"])})
+
 
 def require(cfg: dict, *keys: str) -> Any:
     """The first of `keys` present in the config; refuse the config by name when none is."""

@@ -1,5 +1,5 @@
-"""The ragged form of a step: N tokens from any mix of cache rows, laid out as the ragged graphs
-(ONNX Runtime's, the generated PyTorch's) take them."""
+"""The ragged form of a step: N tokens from any mix of cache rows, laid out as ragged graphs
+(ir.ragged.to_ragged) take them."""
 
 from __future__ import annotations
 
@@ -25,6 +25,17 @@ class RaggedLayout:
     @property
     def chunk_len(self) -> int:  # Tp
         return len(self.p_index[0]) if self.p_index else 1
+
+    def inputs(self) -> dict[str, tuple[list, tuple[int, ...]]]:
+        """Each graph input (ir.ragged.RAGGED_INPUTS) as flat int values and their shape."""
+        n, bp = len(self.ids), len(self.p_slots)
+        return {
+            "ids": (self.ids, (1, n)), "pos": (self.pos, (1, n)), "token_slots": (self.token_slots, (1, n)),
+            "d_slots": (self.d_slots, (len(self.d_slots),)), "d_kv_len": ([self.d_kv_len], (1,)),
+            "p_slots": (self.p_slots, (bp,)), "p_index": ([i for row in self.p_index for i in row], (bp, self.chunk_len)),
+            "p_pack": (self.p_pack, (len(self.p_pack),)), "p_kv_len": ([self.p_kv_len], (1,)),
+            "logits_index": (self.logits_index, (len(self.logits_index),)),
+        }
 
 
 def ragged_layout(ids: Sequence[Sequence[int]], start: Sequence[int], slots: Sequence[int],

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import InputError
+from .ragged import RaggedLayout, ragged_layout
 from .sampling import Sampler
 
 
@@ -41,11 +42,30 @@ class Session(ABC):
     rows: int
     cache_len: int
     vocab_size: int
+    # The capability consulted in one place (`_forward`, `step`): a ragged session runs every step,
+    # prefill, decode or mixed, as one call of its ragged graph (ir.ragged); a dense one runs
+    # B rows of T tokens per call and a mixed step as one call per chunk length.
+    ragged: bool = False
 
-    @abstractmethod
     def _run(self, ids: Sequence[Sequence[int]], start: Sequence[int], slots: Sequence[int],
              all_logits: bool) -> tuple[Any, Any]:
-        """One step on the device: (greedy next tokens [B], logits [B, T', V]), both device tensors."""
+        """A dense step on the device: (greedy next tokens [B], logits [B, T', V]), device tensors."""
+        raise NotImplementedError(f"{type(self).__name__} takes ragged steps only")
+
+    def _run_ragged(self, layout: RaggedLayout) -> tuple[Any, Any]:
+        """A ragged step on the device: (greedy next tokens [E], logits [E, 1, V]), device tensors."""
+        raise NotImplementedError(f"{type(self).__name__} takes dense steps only")
+
+    def _forward(self, ids: Sequence[Sequence[int]], start: Sequence[int], slots: Sequence[int],
+                 all_logits: bool) -> tuple[Any, Any]:
+        """B rows of equal length, in whichever step form this session takes."""
+        if not self.ragged:
+            return self._run(ids, start, slots, all_logits)
+        greedy, logits = self._run_ragged(ragged_layout(ids, start, slots, all_logits))
+        if all_logits:  # one entry per token, rows in order: [B*T] and [B*T, 1, V]
+            B, T = len(ids), len(ids[0])
+            return greedy.reshape(B, T)[:, -1], logits.reshape(B, T, -1)
+        return greedy, logits
 
     def _to_host(self, tensor: Any) -> np.ndarray:
         """A device tensor as a float32 / int64 numpy array (sessions keep torch tensors)."""
@@ -80,7 +100,7 @@ class Session(ABC):
         if not len(ids):
             raise InputError("the prompt is empty")
         self._check(len(ids), start, slot)
-        greedy, out = self._run([list(ids)], [start], [slot], all_logits=logits == "all")
+        greedy, out = self._forward([list(ids)], [start], [slot], all_logits=logits == "all")
         tokens = self._choose(greedy, out, [sampler])
         return StepOutput(tokens, self._to_host(out) if logits != "none" else None)
 
@@ -93,7 +113,7 @@ class Session(ABC):
             raise InputError("decode got the same cache row twice in one step")
         for p, s in zip(positions, slots):
             self._check(1, p, s)
-        greedy, out = self._run([[t] for t in ids], list(positions), list(slots), all_logits=False)
+        greedy, out = self._forward([[t] for t in ids], list(positions), list(slots), all_logits=False)
         tokens = self._choose(greedy, out, samplers or [None] * len(ids))
         return StepOutput(tokens, self._to_host(out) if logits else None)
 
@@ -105,11 +125,11 @@ class Session(ABC):
             raise InputError("a step got the same cache row twice")
         for c in chunks:
             self._check(len(c.ids), c.start, c.slot)
-        return self._run_chunks(chunks)
-
-    def _run_chunks(self, chunks: Sequence[Chunk]) -> list[int]:
-        """One batched call per chunk length (the one-token rows together); a backend that takes
-        ragged steps runs them all in one."""
+        if self.ragged:
+            greedy, logits = self._run_ragged(ragged_layout([c.ids for c in chunks], [c.start for c in chunks],
+                                                            [c.slot for c in chunks]))
+            return self._choose(greedy, logits, [c.sampler for c in chunks])
+        # Dense: one batched call per chunk length (the one-token rows together).
         tokens = [0] * len(chunks)
         by_length: dict[int, list[int]] = {}
         for i, c in enumerate(chunks):

@@ -1,0 +1,124 @@
+"""The math of the high-level ops, written once for the graph emitters (ONNX, StableHLO).
+
+Each function here is one piece of math (rope's rotate-half, the causal/windowed mask, softmax
+and norm statistics in float32, the activations) written against `MathBuilder`, a small set of
+primitives each graph emitter implements over its own values. An emitter lowers an op either to
+its own fused kernel (ONNX's RMSNormalization, Gelu) or through the function here; nowhere else
+is the math spelled out. The Python dialects (generated PyTorch and JAX) keep their templates.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol, Sequence
+
+Value = Any  # an emitter's own handle: an ONNX value name, a StableHLO SSA value
+
+
+class MathBuilder(Protocol):
+    """Primitives over an emitter's values. Binary ops and `where` broadcast numpy-style."""
+
+    def add(self, a: Value, b: Value) -> Value: ...
+    def sub(self, a: Value, b: Value) -> Value: ...
+    def mul(self, a: Value, b: Value) -> Value: ...
+    def div(self, a: Value, b: Value) -> Value: ...
+    def neg(self, a: Value) -> Value: ...
+    def rsqrt(self, a: Value) -> Value: ...
+    def cos(self, a: Value) -> Value: ...
+    def sin(self, a: Value) -> Value: ...
+    def tanh(self, a: Value) -> Value: ...
+    def erf(self, a: Value) -> Value: ...
+    def sigmoid(self, a: Value) -> Value: ...
+    def le(self, a: Value, b: Value) -> Value: ...
+    def gt(self, a: Value, b: Value) -> Value: ...
+    def and_(self, a: Value, b: Value) -> Value: ...
+    def where(self, cond: Value, a: Value, b: Value) -> Value: ...
+
+    def scalar(self, value: float, kind: str) -> Value:
+        """A constant scalar of kind "f32", "act" (the compute dtype) or "index" (integer positions)."""
+
+    def f32_array(self, values: Sequence[float]) -> Value:
+        """A constant float32 vector."""
+
+    def to_f32(self, a: Value) -> Value:
+        """An activation in float32 (a no-op when the compute dtype is float32)."""
+
+    def index_to_f32(self, a: Value) -> Value:
+        """Integer positions as float32."""
+
+    def to_act(self, a: Value) -> Value:
+        """A float32 value in the compute dtype (a no-op when that is float32)."""
+
+    def mean_last(self, a: Value) -> Value:
+        """The mean over the last axis, kept as a size-1 axis."""
+
+    def softmax_last(self, a: Value) -> Value:
+        """Softmax over the last axis, in the dtype of `a`."""
+
+    def slice_last(self, a: Value, lo: int, hi: int) -> Value: ...
+    def concat_last(self, parts: list[Value]) -> Value: ...
+    def unsqueeze(self, a: Value, axes: list[int]) -> Value: ...
+
+    def qk(self, q: Value, k: Value) -> Value:
+        """q [B, KV, G, T, D] . k [B, KV, L, D] -> scores [B, KV, G, T, L] (batched over B, KV)."""
+
+    def pv(self, p: Value, v: Value) -> Value:
+        """p [B, KV, G, T, L] . v [B, KV, L, D] -> [B, KV, G, T, D] (batched over B, KV)."""
+
+
+def rms_norm(m: MathBuilder, x: Value, weight: Value, eps: float) -> Value:
+    """x / rms(x) * weight over the last axis; the statistics in float32, as the reference."""
+    x32 = m.to_f32(x)
+    inv = m.rsqrt(m.add(m.mean_last(m.mul(x32, x32)), m.scalar(eps, "f32")))
+    return m.mul(weight, m.to_act(m.mul(x32, inv)))
+
+
+def rope_table(m: MathBuilder, pos: Value, inv_freq: Sequence[float]) -> tuple[Value, Value]:
+    """cos, sin [B, T, rot] in the compute dtype for positions [B, T]; angles in float32."""
+    angles = m.mul(m.unsqueeze(m.index_to_f32(pos), [2]), m.f32_array(inv_freq))  # [B, T, rot/2]
+    emb = m.concat_last([angles, angles])  # [B, T, rot]
+    return m.to_act(m.cos(emb)), m.to_act(m.sin(emb))
+
+
+def rope(m: MathBuilder, x: Value, cos: Value, sin: Value, rot: int, head_dim: int) -> Value:
+    """Rotate-half rope on the first `rot` features of each head; x [B, T, heads, D]."""
+    c, s = m.unsqueeze(cos, [2]), m.unsqueeze(sin, [2])  # [B, T, 1, rot]: broadcast over heads
+    x_rot = m.slice_last(x, 0, rot) if rot < head_dim else x
+    half = rot // 2
+    rotated = m.concat_last([m.neg(m.slice_last(x_rot, half, rot)), m.slice_last(x_rot, 0, half)])
+    out = m.add(m.mul(x_rot, c), m.mul(rotated, s))
+    return m.concat_last([out, m.slice_last(x, rot, head_dim)]) if rot < head_dim else out
+
+
+def attention_bias(m: MathBuilder, q_pos: Value, key_pos: Value, window: int | None) -> Value:
+    """Additive float32 mask [B, 1, 1, T, L]: 0 where query position q_pos [B, T] may see key
+    position key_pos [L] (causal, within the window), -inf elsewhere. Causality also hides cache
+    entries past a row's own positions, stale from an earlier request."""
+    q = m.unsqueeze(q_pos, [2])  # [B, T, 1]
+    allowed = m.le(key_pos, q)
+    if window is not None:
+        allowed = m.and_(allowed, m.gt(key_pos, m.sub(q, m.scalar(window, "index"))))
+    bias = m.where(allowed, m.scalar(0.0, "f32"), m.scalar(-math.inf, "f32"))  # [B, T, L]
+    return m.unsqueeze(bias, [1, 2])
+
+
+def attend(m: MathBuilder, q: Value, keys: Value, values: Value, bias: Value, scale: float) -> Value:
+    """q [B, KV, G, T, D] over keys, values [B, KV, L, D] -> [B, KV, G, T, D]; scores, mask and
+    softmax in float32, as the reference computes them."""
+    scores = m.add(m.mul(m.to_f32(m.qk(q, keys)), m.scalar(scale, "f32")), bias)
+    return m.pv(m.to_act(m.softmax_last(scores)), values)
+
+
+def silu(m: MathBuilder, x: Value) -> Value:
+    return m.mul(x, m.sigmoid(x))
+
+
+def gelu(m: MathBuilder, x: Value, approximate: str) -> Value:
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) for "tanh", else 0.5 x (1 + erf(x / sqrt 2))."""
+    if approximate == "tanh":
+        cube = m.mul(x, m.mul(x, x))
+        inner = m.mul(m.scalar(math.sqrt(2 / math.pi), "act"), m.add(x, m.mul(m.scalar(0.044715, "act"), cube)))
+        gate = m.add(m.scalar(1.0, "act"), m.tanh(inner))
+    else:
+        gate = m.add(m.scalar(1.0, "act"), m.erf(m.mul(x, m.scalar(math.sqrt(0.5), "act"))))
+    return m.mul(m.mul(x, m.scalar(0.5, "act")), gate)
