@@ -73,7 +73,7 @@ def handle_errors(fn: Callable) -> Callable:
             except LinnetError as e:
                 if _debug():
                     raise
-                report_error(e.message, e.hint)
+                report_error(f"internal error: {e.message}" if e.bug else e.message, e.hint)
                 raise typer.Exit(e.exit_code) from None
             except BrokenPipeError:  # `linnet run ... | head`: the reader left; not an error
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 
 class LinnetError(Exception):
-    """Base of every error Linnet reports to a user (never a bug: bugs are plain exceptions)."""
+    """Base of every error Linnet reports to a user as one line and a hint. Almost all are about
+    the input or the machine; `bug` marks the kinds that mean Linnet itself is wrong (IRError).
+    Other bugs are plain exceptions."""
 
     exit_code = 1
     default_hint: str | None = None  # what to try when the raiser had nothing more specific to say
+    bug = False
 
     def __init__(self, message: str, hint: str | None = None):
         super().__init__(message)
@@ -40,6 +43,7 @@ class IRError(LinnetError):
     """The IR verifier refused a graph: a bug in a graph builder or a pass."""
 
     default_hint = "this is a bug in Linnet: run again with LINNET_DEBUG=1 and report the traceback"
+    bug = True
 
 
 class BackendUnavailable(LinnetError):

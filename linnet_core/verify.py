@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from .compile import Model, load_model, open_model
-from .errors import InputError
+from .errors import CheckpointError, InputError
 from .reference import load_reference, run_reference
 from .tokenizer import Tokenizer
 
@@ -52,18 +52,26 @@ def compare_logits(logits: np.ndarray, reference: np.ndarray, dtype: str) -> tup
     return distance, tolerance, top1
 
 
+def has_tokenizer(folder: Path) -> bool:
+    return (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file()
+
+
 def prompt_ids(model: Model, prompt: str | None) -> list[int]:
-    try:
-        tok = Tokenizer(model.path)
-    except Exception:
-        tok = None
-    if tok is None:
+    """The prompt's ids; a broken tokenizer, or ids the model has no embedding for, are errors."""
+    if not has_tokenizer(model.path):
         if prompt:
             raise InputError(f"{model.path} has no tokenizer, so a text prompt cannot be encoded")
         # Without a tokenizer, a fixed spread of ids in the vocabulary stands in for text.
         return [(17 * i + 3) % model.spec.vocab_size for i in range(12)]
-    ids = tok.encode(prompt or DEFAULT_PROMPT)
-    return [i for i in ids if i < model.spec.vocab_size]
+    ids = Tokenizer(model.path).encode(prompt or DEFAULT_PROMPT)  # CheckpointError names a broken file
+    outside = sorted({i for i in ids if not 0 <= i < model.spec.vocab_size})
+    if outside:
+        raise CheckpointError(
+            f"{model.path}: the tokenizer gives ids {', '.join(map(str, outside[:5]))} that the model's vocabulary "
+            f"of {model.spec.vocab_size} does not have",
+            hint="the tokenizer and the weights do not belong together; pass --prompt text the model can take",
+        )
+    return ids
 
 
 def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str = "float32", steps: int = 8,

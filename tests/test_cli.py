@@ -124,8 +124,15 @@ def test_unwritable_cache(checkpoints, tmp_path):
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    r = invoke("compile", tmp_path / "nothing-here", env={"LINNET_DEBUG": "1"})
-    assert r.exit_code != 0 and r.exception is not None
+    """LINNET_DEBUG=1 shows the whole traceback, in a real process (what a user would paste)."""
+    env = {**os.environ, "LINNET_DEBUG": "1", "LINNET_CACHE": str(tmp_path / "c")}
+    r = subprocess.run([sys.executable, "-m", "linnet_cli", "compile", str(tmp_path / "nothing-here")],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0
+    assert "Traceback (most recent call last)" in r.stderr and "ModelNotFound" in r.stderr
+    quiet = subprocess.run([sys.executable, "-m", "linnet_cli", "compile", str(tmp_path / "nothing-here")],
+                           capture_output=True, text=True, env={**env, "LINNET_DEBUG": "0"}, timeout=120)
+    assert quiet.returncode != 0 and "Traceback" not in quiet.stderr
 
 
 def test_console_script_in_a_real_process(checkpoints, tmp_path):

@@ -2,8 +2,8 @@
 
 Decode is a chain of matrix-vector products bound by memory bandwidth. On this machine class
 F.linear (MKL) streams float32 weights at ~21 GB/s, while oneDNN's kernel over weights reordered
-once at load reaches ~45 GB/s, and is faster for prefill GEMMs and bfloat16 too (measured by
-bench/decode_speed.py). Inductor's CPU freezing pass uses the same ops. Packing is probed once
+once at load reaches ~45 GB/s, and is faster for prefill GEMMs and bfloat16 too (measured with
+`LINNET_CPU_PACK=0 linnet bench ... --backend torch` against the default). Inductor's CPU freezing pass uses the same ops. Packing is probed once
 and skipped, never fatal, where this PyTorch build or CPU lacks it; LINNET_CPU_PACK=0 turns it off.
 """
 

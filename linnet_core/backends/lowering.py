@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 from ..errors import IRError
 from ..ir.graph import Graph, LayerAttr, Node
+from ..ir.ops import OPS
 
 
 class Lowering:
@@ -26,7 +27,7 @@ class Lowering:
         return self.env[name]
 
     def attr(self, n: Node, key: str):
-        v = n.attrs[key]
+        v = n.attrs[key] if key in n.attrs else OPS[n.op].defaults[key]
         return self.g.block.layer_attrs[v.key][self.layer] if isinstance(v, LayerAttr) else v
 
     def _lower(self, nodes: list[Node]) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from .. import __version__
 from ..errors import IRError
 from ..ir.graph import Graph, LayerAttr, Node
+from ..ir.ops import OPS
 from ..ir.rope import inv_freq
 from ..ir.verify import verify
 
@@ -35,10 +36,12 @@ class Dialect:
 
 
 class _Ctx:
-    def __init__(self, g: Graph, in_block: bool):
+    def __init__(self, g: Graph | None, in_block: bool):
         self.g, self.in_block = g, in_block
 
     def ref(self, name: str) -> str:
+        if self.g is None:  # a node on its own: every input is a local name
+            return name
         if self.in_block and name in self.g.block.params:
             return f'w["{name}"]'
         if name in self.g.params:
@@ -65,8 +68,13 @@ def _render(n: Node, ctx: _Ctx, d: Dialect) -> str:
     refs = [ctx.ref(i) for i in n.inputs]
     return template.format(
         out=", ".join(n.outputs), a=refs[0], b=refs[1] if len(refs) > 1 else "", args=", ".join(refs),
-        **{k: ctx.attr(v) for k, v in n.attrs.items()},
+        **{k: ctx.attr(v) for k, v in {**OPS[n.op].defaults, **n.attrs}.items()},
     )
+
+
+def render_node(n: Node, d: Dialect) -> str:
+    """One node as a statement over local names (the per-op conformance tests run these)."""
+    return _render(n, _Ctx(None, True), d)
 
 
 def _lines(nodes: list[Node], g: Graph, ctx: _Ctx, d: Dialect, indent: str) -> list[str]:

@@ -10,10 +10,11 @@ every emitter against.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..errors import IRError
+from .numpy_ops import REFERENCES
 
 Shape = tuple  # of int | str
 
@@ -135,6 +136,7 @@ class OpDef:
     doc: str = ""
     defaults: dict = field(default_factory=dict)  # attributes a node may leave out, with their values
     out_dtype: str = "act"  # the dtype of every output: "act" (the compile dtype) or "i64"
+    reference: Callable | None = None  # what the op means, in numpy (ir.numpy_ops)
 
 
 OPS: dict[str, OpDef] = {
@@ -160,6 +162,10 @@ OPS: dict[str, OpDef] = {
                         doc="x[:, -1:] unless all positions' logits are asked for; ragged: x[0, logits_index, None]"),
     "argmax": OpDef(_argmax, 1, doc="greedy next token from the last position's logits", out_dtype="i64"),
 }
+
+
+# Every op carries its numpy reference; an op without one is refused here, at import.
+OPS = {name: replace(d, reference=REFERENCES[name]) for name, d in OPS.items()}
 
 
 def infer(op: str, shapes: list[Shape], attrs: dict) -> list[Shape]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from ..errors import IRError
+
 
 def inv_freq(rope: dict, rotary_dim: int) -> list[float]:
     """Inverse frequencies [rotary_dim // 2], as transformers computes them (float32 there)."""
@@ -28,4 +30,4 @@ def inv_freq(rope: dict, rotary_dim: int) -> list[float]:
                 smooth = (old_len / wavelen - low) / (high - low)
                 out.append((1 - smooth) * f / factor + smooth * f)
         return out
-    raise ValueError(f"rope type {kind!r} reached the emitter unchecked")
+    raise IRError(f"rope type {kind!r} reached the emitter unchecked")

@@ -1,8 +1,8 @@
 """Architecture families, one module each, named after Hugging Face `model_type`.
 
-Adding a family is one module with `MODEL_TYPE`, `ALIASES`, `HF_ARCHITECTURES` (the class names
-exports write), `GGUF` (llama.cpp's layout), `parse_config`, `weight_names` and `build_graph`, and
-one line in FAMILIES; variants are aliases, never copied files.
+Adding a family is one module that defines FAMILY_CONTRACT's names, and one line in FAMILIES;
+variants are aliases, never copied files (docs/adding-a-family.md is the walk-through). A family
+whose graph is not the shared pre-norm decoder also defines `build_graph(spec)`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,14 @@ from types import ModuleType
 
 from ..errors import CheckpointError, UnsupportedModel
 from . import llama, phi3, qwen2, qwen3
-from .decoder import GgufLayout
+from .decoder import GgufLayout, build_decoder
 from .spec import ModelSpec
+
+# What every family module defines: its config's model_type and aliases, the transformers class
+# names exports declare, llama.cpp's layout, `parse_config(cfg, model_type) -> ModelSpec`, and
+# `weight_names(spec)`: Linnet's tensor roles (decoder.GLOBAL_ROLES, BLOCK_ROLES) to checkpoint names.
+FAMILY_CONTRACT = ("MODEL_TYPE", "ALIASES", "HF_ARCHITECTURES", "GGUF", "parse_config", "weight_names")
+OPTIONAL_CONTRACT = ("build_graph",)
 
 FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (llama, qwen2, qwen3, phi3)}
 MODEL_TYPES: dict[str, ModuleType] = {
@@ -60,8 +66,11 @@ def load_spec(folder: Path) -> ModelSpec:
 
 
 def build_graph(spec: ModelSpec):
-    """The verified IR graph of a spec, as its family builds it (before passes)."""
-    return family(spec.model_type).build_graph(spec)
+    """The verified IR graph of a spec, as its family builds it (before passes): the shared
+    pre-norm decoder over the family's weight map unless the family builds its own."""
+    fam = family(spec.model_type)
+    own = getattr(fam, "build_graph", None)
+    return own(spec) if own is not None else build_decoder(spec, fam.weight_names(spec))
 
 
 def hf_architecture(spec: ModelSpec) -> str:
@@ -78,4 +87,4 @@ def weight_names(spec: ModelSpec) -> dict[str, str]:
     return family(spec.model_type).weight_names(spec)
 
 
-__all__ = ["FAMILIES", "MODEL_TYPES", "ModelSpec", "GgufLayout", "build_graph", "family", "gguf_layout", "hf_architecture", "load_spec", "spec_from_config", "weight_names"]
+__all__ = ["FAMILIES", "FAMILY_CONTRACT", "MODEL_TYPES", "ModelSpec", "GgufLayout", "build_graph", "family", "gguf_layout", "hf_architecture", "load_spec", "spec_from_config", "weight_names"]

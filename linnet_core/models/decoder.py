@@ -1,14 +1,16 @@
 """The pre-norm decoder every supported family shares, built into the Linnet IR from a ModelSpec.
 
 A family contributes its config reading and a weight map: Linnet's tensor roles (GGUF-style
-names such as `attn_q.weight`) to checkpoint names. Roles it maps decide the graph's shape
-where checkpoints differ (a fused `attn_qkv` or separate q/k/v; q/k norms; biases).
+names such as `attn_q.weight`, the closed sets below) to checkpoint names. The roles it maps are
+the one source of the graph's shape where checkpoints differ (a fused `attn_qkv` or separate
+q/k/v; q/k norms; biases); `check_weight_map` refuses a map outside the sets or missing a part.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ..errors import IRError
 from ..ir.graph import CacheLayout, Graph, GraphBuilder, LayerAttr
 from .spec import ModelSpec
 
@@ -28,7 +30,7 @@ class GgufLayout:
     name_needs_tokens: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
 
 
-GLOBAL_ROLES = ("token_embd.weight", "output_norm.weight", "output.weight")
+GLOBAL_ROLES = ("token_embd.weight", "output_norm.weight", "output.weight")  # output: absent when tied
 BLOCK_ROLES = (
     "attn_norm.weight",
     "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_qkv.weight",
@@ -41,8 +43,35 @@ BLOCK_ROLES = (
 )
 
 
+# Parts every decoder has, and the alternatives of which one must be mapped (fused or separate).
+REQUIRED_ROLES = ("token_embd.weight", "output_norm.weight", "attn_norm.weight", "attn_output.weight",
+                  "ffn_norm.weight", "ffn_down.weight")
+ALTERNATIVE_ROLES = ((("attn_qkv.weight",), ("attn_q.weight", "attn_k.weight", "attn_v.weight")),
+                     (("ffn_gate_up.weight",), ("ffn_gate.weight", "ffn_up.weight")),
+                     ((), ("attn_q_norm.weight", "attn_k_norm.weight")))  # q/k norms: none, or both
+
+
+def check_weight_map(spec: ModelSpec, names: dict[str, str]) -> None:
+    """A family's weight map uses only known roles, names every part, and agrees with the spec."""
+    unknown = sorted(set(names) - set(GLOBAL_ROLES) - set(BLOCK_ROLES))
+    if unknown:
+        raise IRError(f"{spec.family}: weight map has roles Linnet does not know: {', '.join(unknown)}")
+    missing = [r for r in REQUIRED_ROLES if r not in names]
+    if not spec.tie_word_embeddings and "output.weight" not in names:
+        missing.append("output.weight")
+    for one, other in ALTERNATIVE_ROLES:
+        present = [r for r in one + other if r in names]
+        if present not in (list(one), list(other)):
+            missing.append(" or ".join("+".join(g) if g else "none" for g in (one, other)))
+    if missing:
+        raise IRError(f"{spec.family}: weight map lacks {'; '.join(missing)}")
+    if ("attn_q_norm.weight" in names) != spec.qk_norm:
+        raise IRError(f"{spec.family}: weight map and spec disagree on q/k norms")
+
+
 def build_decoder(spec: ModelSpec, names: dict[str, str]) -> Graph:
     """The step graph of a pre-norm decoder; `names` maps roles to checkpoint tensor names."""
+    check_weight_map(spec, names)
     H, V, L = spec.hidden_size, spec.vocab_size, spec.num_layers
     nh, kvh, hd, ff = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
     b = GraphBuilder(meta={"model_type": spec.model_type, "family": spec.family, "spec": spec.to_json()})
@@ -74,7 +103,7 @@ def build_decoder(spec: ModelSpec, names: dict[str, str]) -> Graph:
     q = b.op("reshape", [q], "q_heads", shape=["B", "T", nh, hd])
     k = b.op("reshape", [k], "k_heads", shape=["B", "T", kvh, hd])
     v = b.op("reshape", [v], "v_heads", shape=["B", "T", kvh, hd])
-    if spec.qk_norm:
+    if "attn_q_norm.weight" in names:
         q = b.op("rms_norm", [q, b.param("attn_q_norm.weight", (hd,), names["attn_q_norm.weight"])], "q_normed",
                  eps=spec.rms_norm_eps)
         k = b.op("rms_norm", [k, b.param("attn_k_norm.weight", (hd,), names["attn_k_norm.weight"])], "k_normed",

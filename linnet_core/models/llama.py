@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .decoder import GgufLayout, build_decoder, hf_llama_style_names
+from .decoder import GgufLayout, hf_llama_style_names
 from .spec import ModelSpec, common_spec
 
 MODEL_TYPE = "llama"
@@ -18,7 +18,3 @@ def parse_config(cfg: dict, model_type: str) -> ModelSpec:
 
 def weight_names(spec: ModelSpec) -> dict[str, str]:
     return hf_llama_style_names(spec, qkv_bias=spec.qkv_bias, o_bias=spec.o_bias, mlp_bias=spec.mlp_bias)
-
-
-def build_graph(spec: ModelSpec):
-    return build_decoder(spec, weight_names(spec))

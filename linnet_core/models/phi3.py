@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .decoder import GgufLayout, build_decoder, hf_llama_style_names
+from .decoder import GgufLayout, hf_llama_style_names
 from .spec import ModelSpec, common_spec
 
 MODEL_TYPE = "phi3"
@@ -19,7 +19,3 @@ def parse_config(cfg: dict, model_type: str) -> ModelSpec:
 
 def weight_names(spec: ModelSpec) -> dict[str, str]:
     return hf_llama_style_names(spec, fused_qkv=True, fused_gate_up=True)
-
-
-def build_graph(spec: ModelSpec):
-    return build_decoder(spec, weight_names(spec))

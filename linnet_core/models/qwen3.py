@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from .decoder import GgufLayout, build_decoder, hf_llama_style_names
-from .qwen2 import _windows
-from .spec import ModelSpec, common_spec
+from .decoder import GgufLayout, hf_llama_style_names
+from .spec import ModelSpec, common_spec, windows_from_max_window_layers
 
 MODEL_TYPE = "qwen3"
 ALIASES = ()
@@ -13,14 +12,10 @@ GGUF = GgufLayout("qwen3")
 
 
 def parse_config(cfg: dict, model_type: str) -> ModelSpec:
-    windows = _windows(cfg, int(cfg["num_hidden_layers"]))
-    overrides = {"layer_windows": windows} if windows else {}
+    windows = windows_from_max_window_layers(cfg, int(cfg["num_hidden_layers"]))
+    overrides = {"layer_windows": windows} if windows is not None else {}
     return common_spec(cfg, model_type, MODEL_TYPE, qk_norm=True, **overrides)
 
 
 def weight_names(spec: ModelSpec) -> dict[str, str]:
     return hf_llama_style_names(spec, qkv_bias=spec.qkv_bias, o_bias=spec.o_bias, qk_norm=True)
-
-
-def build_graph(spec: ModelSpec):
-    return build_decoder(spec, weight_names(spec))

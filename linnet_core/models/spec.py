@@ -126,6 +126,17 @@ def read_windows(cfg: dict, num_layers: int) -> tuple[int | None, ...]:
     return (int(window),) * num_layers
 
 
+def windows_from_max_window_layers(cfg: dict, num_layers: int) -> tuple[int | None, ...] | None:
+    """Windows of configs that slide only when `use_sliding_window` is set, and then only from
+    layer `max_window_layers` on; None when `layer_types` says it instead (read_windows reads that)."""
+    if cfg.get("layer_types"):
+        return None
+    if not cfg.get("use_sliding_window"):
+        return (None,) * num_layers
+    first = int(cfg.get("max_window_layers", num_layers))
+    return tuple(int(cfg["sliding_window"]) if i >= first else None for i in range(num_layers))
+
+
 def read_eos(cfg: dict) -> tuple[int, ...]:
     eos = cfg.get("eos_token_id")
     if eos is None:

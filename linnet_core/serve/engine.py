@@ -26,7 +26,6 @@ from ..runtime.session import Chunk, Session
 from ..runtime.threads import release_openmp_pool
 from ..tokenizer import IncrementalDecoder, Tokenizer
 
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
 class EngineFull(InputError):
