@@ -18,17 +18,19 @@ OutArg = Annotated[Path, typer.Argument(help="Folder to create (refused if it ex
                                         show_default=False)]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace OUT if it exists.")]
 NoCheckOpt = Annotated[bool, typer.Option("--no-check", help="Skip the round trip through the consumer.")]
-GGUF_DTYPES = ("auto", "f32", "f16", "bf16", "q8_0")
 CHECKERS = ("llama.cpp", "transformers")
 
 
 def _gguf_dtype(value: str) -> str:
-    from linnet_core.export.gguf_export import GGUF_ALIASES
+    from linnet_core.dtypes import FORMATS, normalize_format
+    from linnet_core.export.gguf_export import GGUF_DTYPES, GGUF_FORMATS
 
-    canonical = GGUF_ALIASES.get(value.lower(), value.lower())
-    if canonical not in GGUF_DTYPES:
-        raise typer.BadParameter(f"'{value}' is not one of {', '.join(GGUF_DTYPES)}")
-    return canonical
+    if value == "auto":
+        return value
+    canonical = normalize_format(value)
+    if canonical not in GGUF_FORMATS:
+        raise typer.BadParameter(f"'{value}' is not one of auto, {', '.join(GGUF_DTYPES)}")
+    return FORMATS[canonical].gguf
 
 
 def _checker(value: str | None) -> str | None:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..compile import Model, open_model
+from ..dtypes import FORMATS, normalize_format
 from ..errors import BackendUnavailable, InputError
 from ..ir.rope import inv_freq
 from ..models import GgufLayout, build_graph, gguf_layout
@@ -26,10 +27,8 @@ from ..weights import Checkpoint
 from . import ExportResult, output_file, summarize
 from .gguf_vocab import GgufVocab, read_vocab
 
-GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
-GGUF_ALIASES = {"float32": "f32", "fp32": "f32", "float16": "f16", "fp16": "f16", "half": "f16", "bfloat16": "bf16",
-            "q8": "q8_0"}
-_FROM_CHECKPOINT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+GGUF_FORMATS = ("float32", "float16", "bfloat16", "q8_0")  # the storage formats this export writes
+GGUF_DTYPES = tuple(FORMATS[f].gguf for f in GGUF_FORMATS)  # as llama.cpp names them: f32 ... q8_0
 
 
 def require_gguf():
@@ -41,12 +40,13 @@ def require_gguf():
 
 
 def pick_gguf_dtype(dtype: str, spec: ModelSpec) -> str:
+    """llama.cpp's name of the storage format asked for (any spelling dtypes.py knows)."""
     if dtype == "auto":
-        return _FROM_CHECKPOINT[spec.dtype]
-    d = GGUF_ALIASES.get(dtype.lower(), dtype.lower())
-    if d not in GGUF_DTYPES:
+        return FORMATS[spec.dtype].gguf
+    fmt = normalize_format(dtype)
+    if fmt not in GGUF_FORMATS:
         raise InputError(f"unknown GGUF dtype '{dtype}' (choose from: auto, {', '.join(GGUF_DTYPES)})")
-    return d
+    return FORMATS[fmt].gguf
 
 
 def permute_for_interleaved_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -93,7 +93,7 @@ def _plan(spec: ModelSpec, layout: GgufLayout, ckpt: Checkpoint, dtype: str, ggu
             w = materialize(p, layer, ckpt, torch.float32)
             return permute_for_interleaved_rope(w, heads) if permute else w
 
-        qtype = Q.F32 if len(p.shape) == 1 else {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[dtype]
+        qtype = Q.F32 if len(p.shape) == 1 else Q[dtype.upper()]
         if qtype == Q.Q8_0 and p.shape[-1] % 32:
             qtype = Q.F16  # rows that are not whole Q8_0 blocks stay f16, as llama.cpp's converter does
         plan.append(_tensor(gname, p.shape, qtype, weight, gguf))

@@ -31,6 +31,7 @@ RAGGED_INPUTS: dict[str, tuple[tuple, str]] = {
     "p_kv_len": ((1,), "positions the chunks attend over: max(pos + 1), at least 1"),
     "logits_index": (("E",), "tokens whose logits and next token are returned"),
 }
+DENSE_ONLY_OPS = ("positions",)  # a ragged step's positions are an input
 ATTENTION_INDEX = ("d_slots", "d_kv_len", "p_slots", "p_index", "p_pack", "p_kv_len")
 
 
@@ -39,7 +40,7 @@ def to_ragged(g: Graph) -> Graph:
     if g.ragged:
         return g
     g = copy.deepcopy(g)
-    positions = [n for n in g.prologue if n.op == "positions"]
+    positions = [n for n in g.prologue if n.op in DENSE_ONLY_OPS]
     if len(positions) != 1:
         raise IRError("to_ragged: a step graph has exactly one positions node")
     pos_name = positions[0].outputs[0]
