@@ -125,8 +125,10 @@ def test_the_fixed_form_session_takes_the_same_steps(checkpoints, tmp_path):
     graph = optimize(build_graph(load_spec(path)))
     emit_onnx(graph, Checkpoint(sorted(path.glob("*.safetensors"))), "float32", 32, tmp_path)
     info = json.loads((compiled.artifact / "artifact.json").read_text())
+    assert info["step"] == "ragged"
     fixed = OrtSession(ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"]),
-                       info, 3, "cpu", "onnxruntime", ragged=False)
+                       {**info, "step": "dense"}, 3, "cpu", "onnxruntime")
+    assert ragged.ragged and not fixed.ragged
 
     def run(s):
         tokens = [s.prefill(list(range(3, 3 + n)), slot=r).tokens[0] for r, n in enumerate((5, 9, 2))]
