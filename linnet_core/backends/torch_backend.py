@@ -1,8 +1,9 @@
 """Backend `torch` ("generated PyTorch"): the emitted module, run eagerly over a static KV cache.
 
-The artifact holds `model.py` (from torch_emit), `weights.safetensors` (prepared weights in the
-compile dtype, fused as the passes decided) and `artifact.json`. Loading maps the weights from
-disk without copying them when they are already in the right dtype and device.
+The artifact holds `model.py` (from torch_emit, in the ragged step form: prefill, decode and the
+serving engine's mixed steps are each one call), `weights.safetensors` (prepared weights in the
+compile dtype, fused as the passes decided), `graph.json` and `artifact.json`. Loading maps the
+weights from disk without copying them when they are already in the right dtype and device.
 """
 
 from __future__ import annotations

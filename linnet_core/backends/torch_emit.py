@@ -8,6 +8,8 @@ TORCH_RAGGED the ragged form of ir.ragged (N tokens from any mix of rows, one ca
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..ir.graph import Graph
 from .pyemit import Dialect, emit_module
 
@@ -149,12 +151,9 @@ TORCH = Dialect(
     returns="return {outputs}",
 )
 
-TORCH_RAGGED = Dialect(
-    name="torch",
-    prelude=PRELUDE,
+TORCH_RAGGED = replace(
+    TORCH,
     templates=RAGGED_TEMPLATES,
-    array="torch.tensor",
-    float32="torch.float32",
     contract=(
         "step(weights, ids, pos, token_slots, d_slots, d_kv_len, p_slots, p_index, p_pack, p_kv_len,",
         "     logits_index, k_cache, v_cache) -> (next_token [E], logits [E, 1, V])",
@@ -165,8 +164,6 @@ TORCH_RAGGED = Dialect(
     ),
     signature="def step(weights, {inputs}, k_cache, v_cache):",
     setup=('g, layers = weights["global"], weights["layers"]', "N = ids.shape[1]", "dtype = k_cache.dtype"),
-    loop="for i, w in enumerate(layers):",
-    returns="return {outputs}",
     ragged=True,
 )
 

@@ -8,7 +8,7 @@ row (a serving engine's iteration). All return the next token per row, chosen on
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABC
 from dataclasses import dataclass
 from typing import Any, Sequence
 
