@@ -4,7 +4,7 @@ Shapes are tuples of ints and symbols: "B" (rows in the step), "T" (tokens per r
 (T, or 1 when only the last position's logits are wanted); a ragged step (ir.ragged) has "N"
 tokens from any mix of rows and "E" entries whose logits are wanted. The builder infers output
 shapes with these rules and the verifier re-checks them, so a backend can trust every shape it
-reads. Each op also carries a numpy reference (ir.reference), which the conformance tests run
+reads. Each op also carries a numpy reference (ir.numpy_ops), which the conformance tests run
 every emitter against.
 """
 
