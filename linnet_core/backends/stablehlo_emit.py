@@ -85,12 +85,6 @@ class Module:
     def convert(self, a: V, et: str) -> V:
         return a if a.et == et else self.op("convert", [a], a.shape, et)
 
-    def compare(self, a: V, b: V, direction: str) -> V:
-        return self.op("compare", [a, b], a.shape, "i1", f"comparison_direction = #stablehlo<comparison_direction {direction}>")
-
-    def select(self, pred: V, a: V, b: V) -> V:
-        return self.op("select", [pred, a, b], a.shape, a.et)
-
     # -- constants and shapes ----------------------------------------------------------------
     def const(self, value, et: str, shape=()) -> V:
         """A scalar broadcast to `shape` (float constants are made in f32, then converted)."""
@@ -419,8 +413,8 @@ LOWERINGS: dict[str, HloLowering] = {
     "attention": _attention,
     "silu": lambda L, n, x: [decompose.silu(L.m, x[0])],
     "gelu": lambda L, n, x: [decompose.gelu(L.m, x[0], n.attrs["approximate"])],
-    "mul": lambda L, n, x: [L.m.binary("multiply", *x)],
-    "add": lambda L, n, x: [L.m.binary("add", *x)],
+    "mul": lambda L, n, x: [L.m.mul(*x)],
+    "add": lambda L, n, x: [L.m.add(*x)],
     "last_token": _last_token,
     "argmax": _argmax,
 }
