@@ -14,7 +14,7 @@ from linnet_core.runtime.sampling import Sampler, SamplingParams
 from linnet_core.serve.engine import Engine, EngineFull, GenerationRequest
 from linnet_core.tokenizer import Tokenizer
 
-from conftest import HAVE
+from family_fixtures import HAVE
 
 CASE = "qwen2-bias-tied"
 CACHE = 96

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import CASE_IDS
+from family_fixtures import CASE_IDS
 from test_cli import assert_one_line_error, invoke
 
 pytest.importorskip("gguf")

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import FAMILY_CASES
+from family_fixtures import FAMILY_CASES
 
 from linnet_core.backends.jax_emit import TEMPLATES as JAX_TEMPLATES
 from linnet_core.backends.jax_emit import emit as emit_jax

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import CASE_IDS, CPU_BACKENDS, HALF_DTYPES
+from family_fixtures import CASE_IDS, CPU_BACKENDS, HALF_DTYPES
 
 from linnet_core.compile import load_model
 from linnet_core.reference import load_reference, run_reference

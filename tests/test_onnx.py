@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import CASE_IDS
+from family_fixtures import CASE_IDS
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -182,6 +182,7 @@ def test_weights_over_2gb_go_to_external_data(tmp_path):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("case", ["llama-gqa-untied", "qwen3-headdim128", "phi3-fused-window"])
 def test_tensorrt_matches_transformers_and_caches_its_engine(case, dtype, checkpoints, reference):
+    skip_unless_runs_on_cuda("tensorrt")
     first = compile_model(checkpoints[case], "tensorrt", dtype, 64)
     assert any((first.artifact / "tensorrt").iterdir())  # engine and timing cache in the artifact
     assert compile_model(checkpoints[case], "tensorrt", dtype, 64).hit
@@ -192,9 +193,18 @@ def test_tensorrt_matches_transformers_and_caches_its_engine(case, dtype, checkp
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_onnxruntime_cuda_matches_transformers(dtype, checkpoints, reference):
+    skip_unless_runs_on_cuda("onnxruntime")
     case = "qwen3-headdim128"
-    r = verify(checkpoints[case], "onnxruntime", dtype, steps=STEPS, reference=reference(case))
+    r = verify(checkpoints[case], "onnxruntime", dtype, steps=STEPS, reference=reference(case), device="cuda")
     assert r.passed, r
+
+
+def skip_unless_runs_on_cuda(backend: str) -> None:
+    """A GPU machine without onnxruntime-gpu or TensorRT skips these, saying which is missing."""
+    try:
+        get_backend(backend).check_device("cuda")
+    except BackendUnavailable as e:
+        pytest.skip(e.message)
 
 
 def test_tensorrt_without_a_gpu_says_which(checkpoints):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import CASES, to_legacy
+from family_fixtures import CASES, to_legacy
 
 from linnet_core.errors import UnsupportedModel
 from linnet_core.models import MODEL_TYPES, load_spec, spec_from_config

@@ -10,7 +10,7 @@ from linnet_core.compile import load_model
 from linnet_core.errors import InputError
 from linnet_core.runtime.session import Chunk
 
-from conftest import CPU_BACKENDS, FAMILY_CASES
+from family_fixtures import CPU_BACKENDS, FAMILY_CASES
 
 CACHE = 48
 NEW = 5

@@ -42,6 +42,9 @@ def bench_command(
     sequential: Annotated[bool, typer.Option(
         "--sequential", help="One side loaded at a time, its runs back to back (models too big to hold once "
                              "per side); default: all loaded, runs interleaved.")] = False,
+    time_limit: Annotated[Optional[float], typer.Option(
+        "--time-limit", min=1, help="Seconds: stop near this, keeping what was measured (a side not reached "
+                                    "is listed as such); default: none.", show_default=False)] = None,
     html: Annotated[Optional[Path], typer.Option("--html", help="Write the page (one self-contained HTML file).",
                                                  show_default=False)] = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the table as Markdown.")] = False,
@@ -93,6 +96,8 @@ def bench_command(
                 raise InputError(f"cannot write {path}: {e.strerror}") from None
             if path.is_dir():
                 raise InputError(f"{path} is a folder; give the name of the file to write")
+    if serving and time_limit is not None:
+        raise InputError("--time-limit bounds the decode bench; --serving is bounded by --requests")
     if serving:
         _serving(sink, model, backend, dtype, new_tokens, requests, prompt_range, concurrency, rate, rows, rounds,
                  target, url, api_key, html, save, markdown, json)
@@ -101,7 +106,8 @@ def bench_command(
     subjects = pick(_names(backend, BACKEND_NAMES, "all"), _names(compare, tuple(COMPARATORS), "all"))
     reporter = _progress(sink)
     try:
-        result = bench(model, method, subjects, device, workdir, reporter, sequential=sequential)
+        result = bench(model, method, subjects, device, workdir, reporter, sequential=sequential,
+                       time_limit=time_limit)
     finally:
         reporter.close()
     if html is not None:
@@ -125,6 +131,8 @@ def bench_command(
         from linnet_core.bench.report import rich_table
 
         sink.out.print(rich_table(result))
+    if result.time_limited:
+        sink.info(f"--time-limit {time_limit:g} s ran out: the table holds what was measured by then")
     if result.interrupted:
         sink.info("interrupted: the table holds what was measured before Ctrl-C")
         raise typer.Exit(EXIT_INTERRUPTED)

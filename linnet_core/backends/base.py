@@ -15,6 +15,7 @@ from typing import Any
 
 from .. import params as prepared
 from ..dtypes import DTYPES
+from ..errors import BackendUnavailable
 from ..ir.graph import Graph
 from ..ir.passes import optimize
 from ..ir.ragged import to_ragged
@@ -38,6 +39,25 @@ class Backend(ABC):
     def check_available(self, dtype: str) -> None:
         """Raise BackendUnavailable, saying why in one line, when this backend cannot run here."""
         return None
+
+    def check_device(self, device: str) -> None:
+        """Raise BackendUnavailable when this backend cannot run on `device` ("cpu" or "cuda") here;
+        a backend never falls back to another device than the one asked for."""
+        if device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise BackendUnavailable(f"{self.title} on CUDA needs an NVIDIA GPU, and none is visible here")
+        elif device != "cpu":
+            raise BackendUnavailable(f"unknown device '{device}' (choose from: cpu, cuda)")
+
+    def default_device(self) -> str:
+        """Where a session goes when the caller names no device: the GPU when this backend can use one."""
+        try:
+            self.check_device("cuda")
+        except BackendUnavailable:
+            return "cpu"
+        return "cuda"
 
     def lower(self, graph: Graph) -> Graph:
         """The graph this backend emits."""

@@ -147,7 +147,8 @@ class InductorBackend(TorchBackend):
 
     def load(self, artifact: Path, rows: int, device: str | None = None, pack_weights: bool = True) -> Session:
         configure_inductor()
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = device or self.default_device()
+        self.check_device(device)
         info = read_info(artifact)
         module = import_generated(artifact / "model.py", "linnet_inductor")
         weights = load_prepared_weights(artifact / WEIGHTS_FILE, device)
@@ -166,3 +167,8 @@ class CudaGraphsBackend(InductorBackend):
             raise BackendUnavailable("CUDA graphs need an NVIDIA GPU, and none is visible here",
                                      hint="use --backend inductor on this machine")
         super().check_available(dtype)
+
+    def check_device(self, device: str) -> None:
+        if device != "cuda":
+            raise BackendUnavailable("CUDA graphs run on NVIDIA GPUs only", hint="use --backend inductor on the CPU")
+        super().check_device(device)

@@ -9,6 +9,8 @@ first buckets at compile time, so a warm load does not compile them again.
 
 from __future__ import annotations
 
+import os
+import pkgutil
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -25,9 +27,13 @@ from .artifact import MIN_PROMPT_BUCKET, WEIGHTS_FILE, bucket, import_generated,
 from .base import Backend
 
 INSTALL_HINT = "pip install 'linnet[jax]'"
+CUDA_HINT = "pip install 'jax[cuda13]' (or cuda12, matching the driver)"
 
 
 def import_jax():
+    # JAX would otherwise take 75% of a GPU's memory up front, leaving none to other sessions
+    # (a bench's other sides, a second backend in the same server).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     try:
         import jax
     except ImportError:
@@ -61,28 +67,45 @@ def release_compilation_cache() -> None:
     jax.config.update("jax_compilation_cache_dir", None)
 
 
-def to_jax(t: torch.Tensor):
-    """A host tensor as a device array; bfloat16 goes through its bits (numpy has no bfloat16)."""
-    import jax.numpy as jnp
+def has_cuda_plugin() -> bool:
+    """Whether this JAX has a CUDA plugin, found without starting JAX (which would claim the GPU)."""
+    return any(m.name.startswith("jax_cuda") for m in pkgutil.iter_modules())
+
+
+def jax_device(device: str | None):
+    """The JAX device a session runs on: `device` ("cpu", "cuda") or JAX's default."""
+    jax = import_jax()
+    if device is None:
+        return jax.devices()[0]
+    if device == "cpu":
+        return jax.devices("cpu")[0]
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        raise BackendUnavailable("this JAX sees no CUDA device", hint=CUDA_HINT)
+    return gpus[0]
+
+
+def to_jax(t: torch.Tensor, device=None):
+    """A host tensor as an array on `device`; bfloat16 goes through its bits (numpy has no bfloat16)."""
+    import jax
     import ml_dtypes
 
-    if t.dtype == torch.bfloat16:
-        return jnp.asarray(t.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
-    return jnp.asarray(t.numpy())
+    host = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
+    return jax.device_put(host, device)
 
 
 class XlaSession(Session):
     """Shared by the XLA backends: buckets, padding, the donated cache; `fn` is one compiled step."""
 
-    def __init__(self, info: dict, rows: int, backend: str):
+    def __init__(self, info: dict, rows: int, backend: str, device):
         import jax.numpy as jnp
 
-        self.backend, self.rows = backend, rows
+        self.backend, self.rows, self.device = backend, rows, device
         self.dtype, self.cache_len, self.vocab_size = info["dtype"], info["cache_len"], info["vocab_size"]
         c = info["cache"]
         shape = (c["layers"], rows, c["kv_heads"], self.cache_len, c["head_dim"])
-        self.k_cache = jnp.zeros(shape, dtype=numpy_dtype(self.dtype))
-        self.v_cache = jnp.zeros(shape, dtype=numpy_dtype(self.dtype))
+        self.k_cache = jnp.zeros(shape, dtype=numpy_dtype(self.dtype), device=device)
+        self.v_cache = jnp.zeros(shape, dtype=numpy_dtype(self.dtype), device=device)
 
     def _device_step(self, ids, start, slots, last, all_logits: bool):
         """Run one padded step; returns (next_token, logits) device arrays, caches updated."""
@@ -111,10 +134,10 @@ class XlaSession(Session):
 
 
 class JaxSession(XlaSession):
-    def __init__(self, module, weights: dict, info: dict, rows: int, backend: str):
+    def __init__(self, module, weights: dict, info: dict, rows: int, backend: str, device):
         import jax
 
-        super().__init__(info, rows, backend)
+        super().__init__(info, rows, backend, device)
         self.weights = weights
         self._step = jax.jit(module.step, static_argnames=("all_logits",), donate_argnums=(1, 2))
 
@@ -137,6 +160,11 @@ class XlaBackend(Backend):
     def check_available(self, dtype: str) -> None:
         import_jax()
 
+    def check_device(self, device: str) -> None:
+        super().check_device(device)
+        if device == "cuda" and not has_cuda_plugin():
+            raise BackendUnavailable("this JAX has no CUDA plugin", hint=CUDA_HINT)
+
 
 class JaxBackend(XlaBackend):
     name = "jax"
@@ -156,6 +184,7 @@ class JaxBackend(XlaBackend):
         info = read_info(artifact)
         module = import_generated(artifact / "model_jax.py", "linnet_jax")
         host = load_prepared_weights(artifact / WEIGHTS_FILE, "cpu")
-        weights = {"global": {k: to_jax(v) for k, v in host["global"].items()},
-                   "layers": [{k: to_jax(v) for k, v in layer.items()} for layer in host["layers"]]}
-        return JaxSession(module, weights, info, rows, self.name)
+        dev = jax_device(device)
+        weights = {"global": {k: to_jax(v, dev) for k, v in host["global"].items()},
+                   "layers": [{k: to_jax(v, dev) for k, v in layer.items()} for layer in host["layers"]]}
+        return JaxSession(module, weights, info, rows, self.name, dev)

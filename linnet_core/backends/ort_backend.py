@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -67,6 +67,19 @@ def _probe_dtype(providers: tuple[str, ...], dtype: str) -> str | None:
         err = _missing_kernel(e, providers[0], dtype)
         return err.message if err else str(e).splitlines()[0]
     return None
+
+
+def cuda_provider_options(device_index: int, stream: int) -> dict[str, str]:
+    """ONNX Runtime's CUDA provider on torch's device and stream: what torch wrote into a bound
+    buffer (the zeroed cache, the step's inputs) is ordered before the step reads it, and the
+    arena grows by what is asked rather than in doubling chunks."""
+    return {"device_id": str(device_index), "user_compute_stream": str(stream),
+            "arena_extend_strategy": "kSameAsRequested"}
+
+
+def torch_cuda_place() -> tuple[int, int]:
+    """(device index, raw stream handle) of torch's current CUDA stream."""
+    return torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream
 
 
 def _bind(binding, bind_fn, name: str, t: torch.Tensor) -> None:
@@ -129,14 +142,19 @@ class OnnxRuntimeBackend(Backend):
     artifact_format = "3"
     ragged = True  # the graph takes mixed steps (TensorRT's builder keeps the dense [B, T] form)
 
-    def providers(self) -> list[str]:
-        ort = import_ort()
-        if torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers():
-            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-        return ["CPUExecutionProvider"]
+    def providers(self, device: str) -> list[str]:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
 
-    def provider_options(self, artifact: Path) -> list[dict[str, Any]]:
-        return [{} for _ in self.providers()]
+    def provider_options(self, artifact: Path, device: str) -> list[dict[str, str]]:
+        if device != "cuda":
+            return [{}]
+        return [cuda_provider_options(*torch_cuda_place()), {}]
+
+    def check_device(self, device: str) -> None:
+        super().check_device(device)
+        if device == "cuda" and "CUDAExecutionProvider" not in import_ort().get_available_providers():
+            raise BackendUnavailable("this ONNX Runtime has no CUDA execution provider",
+                                     hint="pip install onnxruntime-gpu in place of onnxruntime")
 
     def toolchain(self) -> dict[str, str]:
         import onnx
@@ -147,7 +165,7 @@ class OnnxRuntimeBackend(Backend):
         require_onnx()
         if dtype not in DTYPES:
             raise BackendUnavailable(f"the {self.name} backend has no dtype '{dtype}'")
-        reason = _probe_dtype(tuple(self.providers()), dtype)
+        reason = _probe_dtype(tuple(self.providers(self.default_device())), dtype)
         if reason:
             raise BackendUnavailable(reason, hint="choose another --dtype (float32 runs everywhere), or run on a GPU")
 
@@ -169,15 +187,16 @@ class OnnxRuntimeBackend(Backend):
 
     def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
         ort = import_ort()
+        device = device or self.default_device()
+        self.check_device(device)
         info = read_info(artifact)
-        providers = self.providers()
+        providers = self.providers(device)
         try:
             sess = ort.InferenceSession(str(artifact / "model.onnx"), self.session_options(), providers=providers,
-                                        provider_options=self.provider_options(artifact))
+                                        provider_options=self.provider_options(artifact, device))
         except Exception as e:
             err = _missing_kernel(e, providers[0], info["dtype"])
             if err:
                 raise err from None
             raise BackendUnavailable(f"ONNX Runtime could not load {artifact.name}: {str(e).splitlines()[0]}") from None
-        dev = "cuda" if providers[0] != "CPUExecutionProvider" else "cpu"
-        return OrtSession(sess, info, rows, device or dev, self.name)
+        return OrtSession(sess, info, rows, device, self.name)

@@ -16,7 +16,7 @@ from ..errors import IRError
 from ..ir.graph import Graph
 from ..runtime.session import Session
 from .artifact import WEIGHTS_FILE, flat_weights, load_prepared_weights, read_graph, read_info, warm_up
-from .jax_backend import XlaBackend, XlaSession, import_jax, to_jax
+from .jax_backend import XlaBackend, XlaSession, import_jax, jax_device, to_jax
 from .stablehlo_emit import emit_stablehlo
 
 
@@ -27,8 +27,8 @@ def _write_atomic(path: Path, data: bytes | str) -> None:
 
 
 class StablehloSession(XlaSession):
-    def __init__(self, artifact: Path, graph: Graph, weights: list, info: dict, rows: int, backend: str):
-        super().__init__(info, rows, backend)
+    def __init__(self, artifact: Path, graph: Graph, weights: list, info: dict, rows: int, backend: str, device):
+        super().__init__(info, rows, backend, device)
         self.artifact, self.graph, self.weights = artifact / "stablehlo", graph, weights
         self.executables: dict[tuple, object] = {}
 
@@ -39,12 +39,10 @@ class StablehloSession(XlaSession):
         return self.executables[key]
 
     def _compile(self, B: int, T: int, all_logits: bool):
-        import jax
         from jax._src.lib import xla_client as xc
-        from jax.extend.backend import get_backend
 
-        backend = get_backend()
-        devices = xc.DeviceList(tuple(jax.devices()[:1]))
+        backend = self.device.client  # the PJRT client of the session's device (CPU or CUDA)
+        devices = xc.DeviceList((self.device,))
         options = xc.CompileOptions()
         stem = f"rows{self.rows}_b{B}_t{T}{'_all' if all_logits else ''}"
         mlir, blob = self.artifact / f"{stem}.mlir", self.artifact / f"{stem}.{backend.platform}.xla"
@@ -67,7 +65,7 @@ class StablehloSession(XlaSession):
         import jax
 
         exe = self.executable(ids.shape[0], ids.shape[1], all_logits)
-        args = self.weights + [self.k_cache, self.v_cache] + [jax.device_put(a) for a in (ids, start, slots, last)]
+        args = self.weights + [self.k_cache, self.v_cache] + [jax.device_put(a, self.device) for a in (ids, start, slots, last)]
         results = exe.execute_sharded(args).disassemble_into_single_device_arrays()
         next_token, logits, self.k_cache, self.v_cache = (r[0] for r in results)
         return next_token, logits
@@ -87,5 +85,6 @@ class StablehloBackend(XlaBackend):
         import_jax()
         graph = read_graph(artifact)
         host = load_prepared_weights(artifact / WEIGHTS_FILE, "cpu")
-        weights = [to_jax(w) for w in flat_weights(graph, host)]
-        return StablehloSession(artifact, graph, weights, read_info(artifact), rows, self.name)
+        dev = jax_device(device)
+        weights = [to_jax(w, dev) for w in flat_weights(graph, host)]
+        return StablehloSession(artifact, graph, weights, read_info(artifact), rows, self.name, dev)

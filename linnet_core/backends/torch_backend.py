@@ -25,10 +25,6 @@ from .cpu_kernels import pack_linear_weights
 from .torch_emit import emit
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 class TorchSession(Session):
     """The generated step over a static KV cache, in whichever step form the module was emitted."""
 
@@ -85,7 +81,8 @@ class TorchBackend(Backend):
         return {"linear_weights": prepared.linear_weights(graph)}
 
     def load(self, artifact: Path, rows: int, device: str | None = None, pack_weights: bool = True) -> Session:
-        device = device or default_device()
+        device = device or self.default_device()
+        self.check_device(device)
         info = read_info(artifact)
         module = import_generated(artifact / "model.py", "linnet_generated")
         weights = load_prepared_weights(artifact / WEIGHTS_FILE, device)

@@ -13,6 +13,18 @@ VERSIONED = ("linnet", "torch", "transformers", "jax", "onnxruntime", "onnxrunti
              "llama-cpp-python", "gguf", "vllm", "sglang")
 
 
+# Datasheet memory bandwidth of common GPUs (bytes/s), matched against the device name: the
+# roofline people quote. The measured copy above is what the bench divides by.
+NOMINAL_BANDWIDTH = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
+                     ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12),
+                     ("L40S", 864e9), ("L4", 300e9), ("RTX 4090", 1.008e12), ("A10G", 600e9))
+
+
+def nominal_bandwidth(gpu_name: str) -> float | None:
+    """The datasheet bandwidth of `gpu_name` (as torch names it), None for a GPU not in the table."""
+    return next((bw for key, bw in NOMINAL_BANDWIDTH if key in gpu_name), None)
+
+
 def stream_bandwidth(device: str, mib: int = 1024, repeats: int = 8) -> float:
     """Bytes/s the device reads from its memory: a reduction over a buffer far larger than any cache
     (on a GPU, a device-to-device copy, counted as read + write). Best of `repeats`."""
@@ -116,6 +128,7 @@ def environment(device: str) -> dict:
     if device == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
         env["cuda"] = torch.version.cuda
+        env["gpu_nominal_bandwidth_bytes_s"] = nominal_bandwidth(env["gpu"])
         try:
             import pynvml
 

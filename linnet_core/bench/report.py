@@ -83,15 +83,20 @@ def status_text(r: dict) -> str:
 
 def header(result: BenchResult) -> str:
     where = result.env.get("gpu") or f"{result.env['cpu']} ({result.env['threads']} threads)"
-    done = (f" · INTERRUPTED after {result.completed_runs} of {result.method.runs} runs"
-            if result.interrupted else "")
+    stopped = "INTERRUPTED" if result.interrupted else "TIME LIMIT" if result.time_limited else None
+    done = f" · {stopped} after {result.completed_runs} of {result.method.runs} runs" if stopped else ""
     return f"{result.model} · {result.dtype} · {where} · {result.method.describe()}{done}"
 
 
 def roofline_line(result: BenchResult) -> str:
-    return (f"Roofline: memory bandwidth {result.bandwidth_bytes_s / 1e9:.1f} GB/s (measured); a decode step reads "
+    line = (f"Roofline: memory bandwidth {result.bandwidth_bytes_s / 1e9:.1f} GB/s (measured); a decode step reads "
             f"{result.bytes_per_step / 1e6:,.0f} MB (weights and KV cache), so the ceiling is "
             f"{result.bandwidth_bytes_s / result.bytes_per_step * result.method.batch:,.1f} tok/s.")
+    nominal = result.env.get("gpu_nominal_bandwidth_bytes_s")
+    if nominal:
+        line += (f" On the datasheet's {nominal / 1e12:.2f} TB/s it is "
+                 f"{nominal / result.bytes_per_step * result.method.batch:,.1f} tok/s.")
+    return line
 
 
 def rich_table(result: BenchResult):

@@ -67,6 +67,7 @@ class BenchResult:
     bytes_per_step: float
     sides: list[Side]
     interrupted: bool = False
+    time_limited: bool = False  # --time-limit ran out: what was measured by then
     completed_runs: int = 0
 
     def side(self, key: str) -> Side | None:
@@ -101,7 +102,25 @@ class BenchResult:
         return {"model": self.model, "spec": self.spec, "dtype": self.dtype, "method": self.method.to_json(),
                 "environment": self.env, "bandwidth_bytes_s": self.bandwidth_bytes_s,
                 "decode_bytes_per_step": self.bytes_per_step, "interrupted": self.interrupted,
-                "completed_runs": self.completed_runs, "sides": self.rows()}
+                "time_limited": self.time_limited, "completed_runs": self.completed_runs, "sides": self.rows()}
+
+
+class Deadline:
+    """A bench's --time-limit: how long each wait may last so that the bench ends near it."""
+
+    def __init__(self, seconds: float | None):
+        self.at = None if seconds is None else time.monotonic() + seconds
+
+    def passed(self) -> bool:
+        return self.at is not None and time.monotonic() >= self.at
+
+    def cap(self, timeout: float, floor: float = 0.0) -> float:
+        """`timeout`, cut to the time left (never below `floor`: a last answer may still come)."""
+        return timeout if self.at is None else max(floor, min(timeout, self.at - time.monotonic()))
+
+
+TIME_LIMIT_REASON = "not measured: --time-limit ran out before its turn"
+FINISH_FLOOR_S = 30.0  # peak memory and logits are still asked for after the limit, this long
 
 
 class Reporter:
@@ -195,8 +214,10 @@ def _prepare(side: Side, m: Model, dtype: str, method: Method, workdir: Path, re
 
 def bench(model: str | Path | Model | None, method: Method, subjects: list[Subject], device: str = "cpu",
           workdir: Path | None = None, reporter: Reporter | None = None,
-          on_sample: Callable[[Side], None] | None = None, sequential: bool = False) -> BenchResult:
+          on_sample: Callable[[Side], None] | None = None, sequential: bool = False,
+          time_limit: float | None = None) -> BenchResult:
     reporter = reporter or Reporter()
+    deadline = Deadline(time_limit)
     m = model if isinstance(model, Model) else open_model(model)
     dtype = pick_dtype(method.dtype, m.spec)
     own_workdir = workdir is None
@@ -204,7 +225,7 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
     workdir.mkdir(parents=True, exist_ok=True)
     sides = [Side(s) for s in subjects]
     for side in sides:
-        why = why_missing(side.subject, dtype, method.batch)
+        why = why_missing(side.subject, dtype, method.batch, device)
         if why:
             side.status, side.reason = "missing", why
     rng = np.random.default_rng(method.seed)
@@ -214,7 +235,9 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
                                                method.prompt_tokens + method.new_tokens / 2, method.batch), sides)
     try:
         for side in sides:
-            if side.status == "ok":
+            if side.status == "ok" and deadline.passed():
+                side.fail(TIME_LIMIT_REASON)
+            elif side.status == "ok":
                 try:
                     side.extra = _prepare(side, m, dtype, method, workdir, reporter)
                 except CacheError:
@@ -229,9 +252,12 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
         # time (for models too big to hold once per side), the reference first.
         for group in ([ready] if not sequential else [[s] for s in ready]):
             for side in group:
-                _start(side, m, dtype, method, device, workdir, reporter)
-            _rounds(result, group, prompts, reporter, on_sample)
-            _finish(result, group, prompts[0], workdir, reporter)
+                if deadline.passed():
+                    side.fail(TIME_LIMIT_REASON)
+                else:
+                    _start(side, m, dtype, method, device, workdir, reporter, deadline)
+            _rounds(result, group, prompts, reporter, on_sample, deadline)
+            _finish(result, group, prompts[0], workdir, reporter, deadline)
             for side in group:
                 if side.worker is not None:
                     side.worker.close()
@@ -247,19 +273,21 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
             shutil.rmtree(workdir, ignore_errors=True)
     measured = [len(s.samples) for s in sides if s.status == "ok"]
     result.completed_runs = min(measured) if measured else 0
-    if not result.interrupted:  # the machine is shared: the best of before and after is its bandwidth
+    result.time_limited = deadline.passed()
+    if not result.interrupted and not result.time_limited:  # the machine is shared: the best of before and after is its bandwidth
         result.bandwidth_bytes_s = max(result.bandwidth_bytes_s, stream_bandwidth(device))
     return result
 
 
-def _start(side: Side, m: Model, dtype: str, method: Method, device: str, workdir: Path, reporter: Reporter) -> None:
+def _start(side: Side, m: Model, dtype: str, method: Method, device: str, workdir: Path, reporter: Reporter,
+           deadline: Deadline) -> None:
     reporter.stage(f"loading {side.subject.label} in a fresh process")
     cfg = {"subject": side.subject.key, "model": str(m.path), "dtype": dtype, "positions": method.positions,
            "batch": method.batch, "device": device, **side.extra}
     log = workdir / f"{side.subject.key.replace(':', '-').replace('.', '')}.log"
     side.worker = Worker(cfg, log)
     try:
-        ready = side.worker.read(LOAD_TIMEOUT_S)
+        ready = side.worker.read(deadline.cap(LOAD_TIMEOUT_S, floor=1.0))
     except (RuntimeError, TimeoutError) as e:
         side.fail(f"failed to load: {e}")
         side.worker.close()
@@ -270,10 +298,16 @@ def _start(side: Side, m: Model, dtype: str, method: Method, device: str, workdi
         side.cached = ready["cached"]
 
 
-def _rounds(result: BenchResult, group: list[Side], prompts: list[list[int]], reporter: Reporter, on_sample) -> None:
+def _rounds(result: BenchResult, group: list[Side], prompts: list[list[int]], reporter: Reporter, on_sample,
+            deadline: Deadline) -> None:
     method = result.method
     live = [s for s in group if s.worker is not None]
     for r in range(method.warmups + method.runs):
+        if deadline.passed():  # the sides keep the runs they finished
+            for side in live:
+                if side.worker is not None and not side.samples:
+                    side.fail("no timed run finished within --time-limit")
+            return
         order = live if r % 2 == 0 else live[::-1]
         warm = r < method.warmups
         for side in order:
@@ -281,7 +315,8 @@ def _rounds(result: BenchResult, group: list[Side], prompts: list[list[int]], re
                 continue
             what = f"warm-up {r + 1}/{method.warmups}" if warm else f"run {r - method.warmups + 1}/{method.runs}"
             try:
-                sample = side.worker.ask({"op": "run", "prompts": prompts, "new": method.new_tokens})
+                sample = side.worker.ask({"op": "run", "prompts": prompts, "new": method.new_tokens},
+                                         deadline.cap(RUN_TIMEOUT_S, floor=FINISH_FLOOR_S))
             except (RuntimeError, TimeoutError) as e:
                 side.fail(f"failed during the runs: {e}")
                 side.worker.close()
@@ -294,18 +329,25 @@ def _rounds(result: BenchResult, group: list[Side], prompts: list[list[int]], re
             reporter.advance(f"{what}: {side.subject.label}")
 
 
-def _finish(result: BenchResult, group: list[Side], prompt: list[int], workdir: Path, reporter: Reporter) -> None:
+def _finish(result: BenchResult, group: list[Side], prompt: list[int], workdir: Path, reporter: Reporter,
+            deadline: Deadline) -> None:
     """Peak memory first (the logits below may allocate), then each side's distance from the reference
     (whose logits the reference's worker leaves in the workdir: it runs in the first group)."""
     reporter.stage("peak memory and distance from reference")
     live = sorted((s for s in group if s.worker is not None), key=lambda s: s.subject.key != BASELINE)
     for side in live:
-        side.memory = side.worker.ask({"op": "memory"})
+        try:
+            side.memory = side.worker.ask({"op": "memory"}, deadline.cap(RUN_TIMEOUT_S, floor=FINISH_FLOOR_S))
+        except (RuntimeError, TimeoutError) as e:
+            side.reason = f"no peak memory: {e}"
+            side.worker.close()
+            side.worker = None
     ref_path = workdir / "reference.npy"
-    for side in live:
+    for side in (s for s in live if s.worker is not None):
         out = ref_path if side.subject.key == BASELINE else workdir / f"logits-{len(os.listdir(workdir))}.npy"
         try:
-            written = side.worker.ask({"op": "logits", "prompt": prompt, "out": str(out)})["written"]
+            written = side.worker.ask({"op": "logits", "prompt": prompt, "out": str(out)},
+                                      deadline.cap(RUN_TIMEOUT_S, floor=FINISH_FLOOR_S))["written"]
         except (RuntimeError, TimeoutError) as e:
             side.reason = f"no distance: {e}"
             continue

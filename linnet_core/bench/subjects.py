@@ -100,11 +100,13 @@ def pick(backends: list[str], comparators: list[str]) -> list[Subject]:
     return sorted(subjects, key=lambda s: (order.get(s.stack, 9), s.is_linnet))
 
 
-def why_missing(subject: Subject, dtype: str, batch: int) -> str | None:
-    """None when the side can run here, else the one-line reason (and what to install)."""
+def why_missing(subject: Subject, dtype: str, batch: int, device: str = "cpu") -> str | None:
+    """None when the side can run on `device` here, else the one-line reason (and what to install)."""
     if subject.is_linnet:
         try:
-            get_backend(subject.backend).check_available(dtype)
+            backend = get_backend(subject.backend)
+            backend.check_available(dtype)
+            backend.check_device(device)
         except BackendUnavailable as e:
             return e.message + (f" ({e.hint})" if e.hint else "")
         return None

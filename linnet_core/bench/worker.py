@@ -85,7 +85,7 @@ class LinnetRunner:
 
         self.batch = cfg["batch"]
         self.session, compiled = load_model(cfg["model"], cfg["backend"], cfg["dtype"], cfg["positions"],
-                                            rows=self.batch)
+                                            rows=self.batch, device=cfg["device"])
         self.cached = compiled.hit
         self.session.prefill([1, 2])
         self.session.decode([3], [2], [0])

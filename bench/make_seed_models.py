@@ -1,0 +1,154 @@
+"""Random-weight checkpoints with the exact configs of the reference pages' models.
+
+    python bench/make_seed_models.py qwen3-4b /tmp/seeds/qwen3-4b          # 7.5 GB, ~1 min here
+    python bench/make_seed_models.py all /tmp/seeds                        # one folder per model
+    python bench/make_seed_models.py qwen3-4b /tmp/tiny --tiny             # the same family, 2 layers
+
+Shapes, rope, tied/untied head and sliding window are those of the models' own config.json;
+the weights are random (normal, std 0.02; norms 1), bfloat16, in Hugging Face's sharded layout,
+so speed, memory and distances are meaningful and the text is not. Each shard is generated and
+written on its own (peak memory about one shard), from the shapes of a model built on the meta
+device. A trained tokenizer in the family's style (byte-level BPE for Qwen, SentencePiece-style
+for Phi-3 and Mistral, the model's vocabulary padding it) makes each a complete checkpoint that
+`run`, `export` and llama.cpp take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import zlib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name -> (config class, the config.json's fields, tokenizer style of tests/tokenizer_fixtures.py)
+SEEDS = {
+    "phi-3-mini-4k-instruct": ("Phi3Config", dict(
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, max_position_embeddings=4096, original_max_position_embeddings=4096,
+        rms_norm_eps=1e-5, rope_parameters=dict(rope_type="default", rope_theta=10000.0), sliding_window=2047,
+        tie_word_embeddings=False, vocab_size=32064, hidden_act="silu", attention_bias=False, pad_token_id=32000,
+    ), "spm"),
+    "qwen3-4b": ("Qwen3Config", dict(
+        hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, max_window_layers=36,
+        rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=1000000.0), sliding_window=None,
+        use_sliding_window=False, tie_word_embeddings=True, vocab_size=151936, hidden_act="silu",
+        attention_bias=False,
+    ), "qwen2"),
+    "mistral-7b-instruct-v0.3": ("MistralConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0), sliding_window=None,
+        tie_word_embeddings=False, vocab_size=32768, hidden_act="silu",
+    ), "spm"),
+}
+# --tiny: the same family and features at test size (the vocabulary stays: it sizes the head).
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=16)
+
+
+def seed_config(name: str, tiny: bool = False):
+    import transformers
+
+    cls, fields, _ = SEEDS[name]
+    fields = dict(fields)
+    if tiny:
+        mha = fields["num_key_value_heads"] == fields["num_attention_heads"]
+        fields.update(TINY, num_key_value_heads=4 if mha else 2)
+        if fields.get("sliding_window"):
+            fields["sliding_window"] = 8
+        if "max_window_layers" in fields:
+            fields["max_window_layers"] = TINY["num_hidden_layers"]
+    return getattr(transformers, cls)(**fields, dtype="bfloat16")
+
+
+def tensor_shapes(config) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's tensor names and shapes, as save_pretrained writes them (a tied head left out)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def plan_shards(shapes: dict[str, tuple[int, ...]], shard_bytes: int, elem_bytes: int = 2) -> list[list[str]]:
+    """Tensor names grouped into shards of at most `shard_bytes` (a bigger tensor gets one of its own)."""
+    shards, current, size = [], [], 0
+    for name, shape in shapes.items():
+        n = elem_bytes
+        for d in shape:
+            n *= d
+        if current and size + n > shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += n
+    if current:
+        shards.append(current)
+    return shards
+
+
+def random_tensor(name: str, shape: tuple[int, ...]):
+    """Normal(0, 0.02) matrices, ones for norms, zeros for biases; seeded by the name, so a
+    checkpoint is the same bytes however it is sharded."""
+    import torch
+
+    if len(shape) == 1:
+        return (torch.ones if "norm" in name else torch.zeros)(shape, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=g)
+
+
+def write_seed(name: str, out: Path, tiny: bool = False, shard_gb: float = 2.0) -> Path:
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tokenizer_fixtures import write_tokenizer
+
+    config = seed_config(name, tiny)
+    out.mkdir(parents=True, exist_ok=True)
+    shapes = tensor_shapes(config)
+    shards = plan_shards(shapes, int(shard_gb * 2**30))
+    weight_map, total = {}, 0
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {n: random_tensor(n, shapes[n]) for n in names}
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+        del tensors
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    config.save_pretrained(out)
+    from transformers import GenerationConfig
+
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(out)
+    write_tokenizer(out, SEEDS[name][2], config.vocab_size)  # sets the config's bos/eos ids to the tokenizer's
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", choices=[*SEEDS, "all"])
+    ap.add_argument("out", type=Path, help="the checkpoint folder (with 'all': the folder of one per model)")
+    ap.add_argument("--tiny", action="store_true", help="2 layers, hidden 64: the family's features at test size")
+    ap.add_argument("--shard-gb", type=float, default=2.0, help="largest shard, GiB (default 2)")
+    args = ap.parse_args()
+    names = list(SEEDS) if args.model == "all" else [args.model]
+    for name in names:
+        t0 = time.perf_counter()
+        folder = args.out / name if args.model == "all" else args.out
+        write_seed(name, folder, args.tiny, args.shard_gb)
+        size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+        print(f"{folder}  {size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

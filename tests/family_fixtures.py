@@ -1,0 +1,94 @@
+"""Tiny random checkpoints of every family and feature, made by `transformers` itself.
+
+Each case is a real config class of its family, scaled down; nothing here touches a network.
+The test suite (conftest.py) and the GPU pass (scripts/gpu_pass.py) build the same ones.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TOKENIZED_VOCAB = 384
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=160, max_position_embeddings=256)
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    config_class: str
+    kwargs: dict = field(default_factory=dict)
+    legacy: bool = False  # rewrite config.json in the pre-v5 style
+    shard: bool = False
+    tokenizer: str = "spm"  # the style of tokenizer its export fixture ships (tests/tokenizer_fixtures.py)
+
+
+CASES = [
+    Case("llama-gqa-untied", "LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2)),
+    Case("llama-mha-tied-legacy", "LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4,
+                                                      tie_word_embeddings=True), legacy=True),
+    Case("llama-llama3-rope", "LlamaConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=32)), tokenizer="llama3"),
+    Case("llama-linear-rope-legacy-sharded", "LlamaConfig", dict(
+        num_attention_heads=4, num_key_value_heads=1, rope_parameters=dict(rope_type="linear", rope_theta=10000.0,
+                                                                           factor=2.0)), legacy=True, shard=True),
+    Case("mistral-window", "MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                 sliding_window=8)),
+    Case("qwen2-bias-tied", "Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2,
+                                                tie_word_embeddings=True), tokenizer="qwen2"),
+    Case("qwen3-headdim128", "Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                                                 tie_word_embeddings=True), tokenizer="qwen2"),
+    Case("qwen3-legacy-untied", "Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+         legacy=True, tokenizer="qwen2"),
+    Case("phi3-fused-window", "Phi3Config", dict(num_attention_heads=4, num_key_value_heads=4, sliding_window=8,
+                                                 pad_token_id=0)),
+    Case("phi3-partial-rotary-gqa", "Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                                                       rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                            partial_rotary_factor=0.5))),
+]
+CASE_IDS = [c.id for c in CASES]
+# Backends every fixture is checked on here (the optional ones when their extra is installed),
+# and the half dtypes each runs on this CPU.
+HAVE = {name: importlib.util.find_spec(name) is not None for name in ("onnxruntime", "jax")}
+CPU_BACKENDS = ["torch", "inductor"] + ["onnxruntime"] * HAVE["onnxruntime"] + ["jax", "stablehlo"] * HAVE["jax"]
+HALF_DTYPES = [("torch", "float16"), ("torch", "bfloat16"), ("inductor", "bfloat16")] \
+    + [("onnxruntime", "float16")] * HAVE["onnxruntime"] + [("jax", "bfloat16"), ("stablehlo", "bfloat16")] * HAVE["jax"]
+FAMILY_CASES = ["llama-gqa-untied", "mistral-window", "qwen2-bias-tied", "qwen3-headdim128", "phi3-fused-window"]
+
+
+def to_legacy(cfg: dict) -> dict:
+    """The pre-transformers-5 spelling of a config: rope_theta / rope_scaling / torch_dtype."""
+    cfg = dict(cfg)
+    rope = dict(cfg.pop("rope_parameters", None) or {})
+    cfg["rope_theta"] = rope.pop("rope_theta", 10000.0)
+    partial = rope.pop("partial_rotary_factor", None)
+    if partial is not None:
+        cfg["partial_rotary_factor"] = partial
+    kind = rope.pop("rope_type", "default")
+    cfg["rope_scaling"] = None if kind == "default" else {"type": kind, **rope}
+    if "dtype" in cfg:
+        cfg["torch_dtype"] = cfg.pop("dtype")
+    return cfg
+
+
+def make_checkpoint(case: Case, folder: Path, **overrides) -> Path:
+    import torch
+    import transformers
+
+    config = getattr(transformers, case.config_class)(**{**SMALL, **case.kwargs, **overrides})
+    torch.manual_seed(zlib.crc32(case.id.encode()))
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # random init is tiny; widen it so logits differ visibly between tokens
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    model.eval().save_pretrained(folder, max_shard_size="60KB" if case.shard else "10GB")
+    if case.legacy:
+        path = folder / "config.json"
+        path.write_text(json.dumps(to_legacy(json.loads(path.read_text())), indent=2))
+    return folder
