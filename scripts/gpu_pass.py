@@ -25,12 +25,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FILE_BYTES = 15 * 2**20  # what comes back from a lent machine: each file under 16 MiB
+STEPS = ("doctor", "tests", "verify", "bench")
 OUTPUTS = ("pass.json", "pass.log", "doctor.json", "tests.log", "verify.json", "bench.json", "bench.html")
 
 
@@ -265,20 +267,22 @@ class Preparation:
     def __init__(self, p: Pass):
         self.p, self.model = p, p.work / "seed" / p.plan.seed
         self.procs: dict[str, subprocess.Popen] = {}
-        self.log = p.work / "prepare.log"
+        self.lock, self.abandoned = threading.Lock(), False
         cmd = [sys.executable, str(ROOT / "bench" / "make_seed_models.py"), p.plan.seed, str(self.model)]
         self.seed = p.start(cmd + (["--tiny"] if p.plan.tiny else []))
         self.seed_rc: int | None = None
         p.say(f"background: writing the {p.plan.seed} seed model{' (tiny)' if p.plan.tiny else ''} into {self.model}")
+        self.thread = threading.Thread(target=self._compile_when_written, daemon=True)
+        self.thread.start()
 
-    def poll(self) -> None:
-        """Start the compiles once the seed model is written."""
-        if self.seed_rc is None and self.seed.poll() is not None:
-            self.seed_rc = self.seed.returncode
-            if self.seed_rc != 0:
-                self.p.say(f"background: the seed model failed (exit {self.seed_rc})")
+    def _compile_when_written(self) -> None:
+        rc = self.seed.wait()
+        with self.lock:
+            self.seed_rc = rc
+            if rc != 0 or self.abandoned:
+                self.p.say(f"background: the seed model failed (exit {rc})" if rc else "background: abandoned")
                 return
-            self.p.say("background: seed model written; compiling it for every backend")
+            self.p.say("background: seed model written; compiling it for every backend at once")
             for b in self.p.plan.backends:
                 self.procs[b] = self.p.start(["linnet", "compile", str(self.model), "--backend", b, "--dtype",
                                               self.p.plan.dtype, "--cache-len", str(self.p.plan.cache_len), "-q"])
@@ -286,11 +290,10 @@ class Preparation:
     def finish(self, timeout: float) -> dict[str, str]:
         """Wait for the compiles (a failed one is the bench's to report); what each came to."""
         end = time.monotonic() + timeout
-        while self.seed_rc is None and time.monotonic() < end:
-            self.poll()
-            time.sleep(0.5)
-        if self.seed_rc is None:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
             stop(self.seed)
+            self.thread.join()
         out = {}
         for b, proc in self.procs.items():
             rc = wait(proc, end - time.monotonic())
@@ -298,6 +301,8 @@ class Preparation:
         return out
 
     def abandon(self) -> None:
+        with self.lock:
+            self.abandoned = True
         for proc in [self.seed, *self.procs.values()]:
             if proc.poll() is None:
                 stop(proc)
@@ -398,15 +403,16 @@ def main_pass(args) -> int:
         if install(p).status != "ok":
             p.say("install failed: nothing else can run (see pass.log)")
             return finish(p, summary)
-        prep = Preparation(p)
-        doctor(p)
-        prep.poll()
-        summary["tests"] = tests(p)[1]
-        prep.poll()
-        fixtures(p)
-        prep.poll()
-        summary["verify"] = verify_all(p)[1]
-        summary["bench"] = bench_step(p, prep)[1]
+        prep = Preparation(p) if "bench" in args.steps else None
+        if "doctor" in args.steps:
+            doctor(p)
+        if "tests" in args.steps:
+            summary["tests"] = tests(p)[1]
+        if "verify" in args.steps:
+            fixtures(p)
+            summary["verify"] = verify_all(p)[1]
+        if prep:
+            summary["bench"] = bench_step(p, prep)[1]
     finally:
         if prep is not None:
             prep.abandon()
@@ -485,7 +491,12 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="the same steps on the CPU, at test sizes")
     ap.add_argument("--budget", type=float, help="seconds for the whole pass (default: 480; dry run 420)")
     ap.add_argument("--work", help="scratch folder (default: /tmp/linnet-gpu-pass[-dry])")
+    ap.add_argument("--steps", type=lambda v: v.split(","), default=list(STEPS),
+                    help=f"some of {','.join(STEPS)} (a rerun of part of the pass; install always runs)")
     args = ap.parse_args()
+    unknown = set(args.steps) - set(STEPS)
+    if unknown:
+        ap.error(f"unknown step {sorted(unknown)[0]!r} (choose from {', '.join(STEPS)})")
     if not args.out:
         ap.error("name the results folder with --out or $OUT")
     return main_pass(args)

@@ -83,7 +83,7 @@ def test_cited_scripts_exist():
     cited = set()
     for path in list((ROOT / "linnet_core").rglob("*.py")) + list((ROOT / "linnet_cli").rglob("*.py")) \
             + [ROOT / "README.md", *DOCS.glob("*.md")]:
-        cited |= set(re.findall(r"\b((?:bench|scripts)/[\w/-]+\.(?:py|sh))\b", path.read_text()))
+        cited |= set(re.findall(r"(?<![\w/])((?:bench|scripts)/[\w/-]+\.(?:py|sh))\b", path.read_text()))
     missing = sorted(p for p in cited if not (ROOT / p).exists())
     assert not missing, f"cited but missing: {missing}"
 
