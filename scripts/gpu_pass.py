@@ -460,8 +460,8 @@ def verify_worker(backend: str, device: str, dtypes: list[str], fixtures_dir: Pa
             for dtype in dtypes:
                 try:
                     b = get_backend(backend)
+                    b.check_device(device)  # first: "no CUDA provider" says more than "no CPU bf16 kernel"
                     b.check_available(dtype)
-                    b.check_device(device)
                 except BackendUnavailable as e:
                     emit(case, dtype, status="missing", reason=e.message + (f" ({e.hint})" if e.hint else ""))
                     continue

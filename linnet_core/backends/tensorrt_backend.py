@@ -12,6 +12,7 @@ provider falls back to CUDA for any node TensorRT rejects instead of failing the
 from __future__ import annotations
 
 from pathlib import Path
+
 import torch
 
 from ..errors import BackendUnavailable

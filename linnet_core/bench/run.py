@@ -110,9 +110,13 @@ class Deadline:
 
     def __init__(self, seconds: float | None):
         self.at = None if seconds is None else time.monotonic() + seconds
+        self.cut = False  # whether the limit stopped anything
 
-    def passed(self) -> bool:
-        return self.at is not None and time.monotonic() >= self.at
+    def hit(self) -> bool:
+        """Whether the limit has passed (and so stops what the caller was about to do)."""
+        if self.at is not None and time.monotonic() >= self.at:
+            self.cut = True
+        return self.cut
 
     def cap(self, timeout: float, floor: float = 0.0) -> float:
         """`timeout`, cut to the time left (never below `floor`: a last answer may still come)."""
@@ -235,7 +239,7 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
                                                method.prompt_tokens + method.new_tokens / 2, method.batch), sides)
     try:
         for side in sides:
-            if side.status == "ok" and deadline.passed():
+            if side.status == "ok" and deadline.hit():
                 side.fail(TIME_LIMIT_REASON)
             elif side.status == "ok":
                 try:
@@ -252,7 +256,7 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
         # time (for models too big to hold once per side), the reference first.
         for group in ([ready] if not sequential else [[s] for s in ready]):
             for side in group:
-                if deadline.passed():
+                if deadline.hit():
                     side.fail(TIME_LIMIT_REASON)
                 else:
                     _start(side, m, dtype, method, device, workdir, reporter, deadline)
@@ -273,8 +277,9 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
             shutil.rmtree(workdir, ignore_errors=True)
     measured = [len(s.samples) for s in sides if s.status == "ok"]
     result.completed_runs = min(measured) if measured else 0
-    result.time_limited = deadline.passed()
-    if not result.interrupted and not result.time_limited:  # the machine is shared: the best of before and after is its bandwidth
+    result.time_limited = deadline.cut
+    # The machine is shared: the best of before and after is its bandwidth (skipped when stopped early).
+    if not result.interrupted and not result.time_limited:
         result.bandwidth_bytes_s = max(result.bandwidth_bytes_s, stream_bandwidth(device))
     return result
 
@@ -303,7 +308,7 @@ def _rounds(result: BenchResult, group: list[Side], prompts: list[list[int]], re
     method = result.method
     live = [s for s in group if s.worker is not None]
     for r in range(method.warmups + method.runs):
-        if deadline.passed():  # the sides keep the runs they finished
+        if deadline.hit():  # the sides keep the runs they finished
             for side in live:
                 if side.worker is not None and not side.samples:
                     side.fail("no timed run finished within --time-limit")

@@ -105,8 +105,8 @@ def why_missing(subject: Subject, dtype: str, batch: int, device: str = "cpu") -
     if subject.is_linnet:
         try:
             backend = get_backend(subject.backend)
+            backend.check_device(device)  # first: "no CUDA provider" says more than "no CPU bf16 kernel"
             backend.check_available(dtype)
-            backend.check_device(device)
         except BackendUnavailable as e:
             return e.message + (f" ({e.hint})" if e.hint else "")
         return None
