@@ -4,7 +4,8 @@ Key: model identity (canonical config + a fingerprint of every weight file), bac
 cache length, and the versions of Linnet and of the backend's toolchain. An entry is built in a
 temporary folder and renamed into place, so readers see complete entries or none; a file lock
 per key makes concurrent compiles of one key build once; an entry whose manifest or files do
-not check out is moved aside and rebuilt with a warning.
+not check out is moved aside and rebuilt with a warning. Prepared weights are stored once per
+model, dtype and layout (weight_store) and hard-linked into every entry that uses them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from filelock import FileLock
 
 from . import __version__
 from .errors import CacheError
+from .weight_store import BLOBS, Blob, Placer, WeightKey, WeightStore
 
 MANIFEST = "manifest.json"
 FULL_HASH_LIMIT = 64 * 1024 * 1024  # files up to this size are hashed whole
@@ -113,11 +115,12 @@ class CachedArtifact:
     last_used: float
     digest: str  # names its lock
     intact: bool
+    shared: tuple[str, ...] = ()  # the stored weights it links (their bytes are not in `size`)
 
     def to_json(self) -> dict[str, Any]:
         return {"path": str(self.path), "name": self.path.name, "model": self.model, "backend": self.backend,
                 "dtype": self.dtype, "cache_len": self.cache_len, "bytes": self.size, "created": self.created,
-                "last_used": self.last_used, "intact": self.intact}
+                "last_used": self.last_used, "intact": self.intact, "shared_weights": list(self.shared)}
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,7 @@ class Entry:
 class ArtifactCache:
     def __init__(self, root: Path | None = None):
         self.root = Path(root) if root is not None else cache_root()
+        self.store = WeightStore(self.root)
 
     @property
     def artifacts(self) -> Path:
@@ -137,7 +141,7 @@ class ArtifactCache:
 
     def _prepare(self) -> None:
         try:
-            for sub in ("artifacts", "tmp", "locks", "trash"):
+            for sub in ("artifacts", "tmp", "locks", "trash", BLOBS):
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
             probe = self.root / "tmp" / f".probe-{uuid.uuid4().hex}"
             probe.touch()
@@ -207,6 +211,13 @@ class ArtifactCache:
                 raise
             return Entry(path, False, manifest)
 
+    def placer(self, key: ArtifactKey) -> Placer:
+        """Where an entry's weights come from: the store's one copy for its model, dtype and layout."""
+        def place(dest: Path, layout: str, fingerprint: str, write: Callable[[Path], None]) -> None:
+            self.store.provide(WeightKey(key.identity, key.dtype, layout, fingerprint), write, dest,
+                               {"model": key.model})
+        return place
+
     def _write_manifest(self, folder: Path, key: ArtifactKey, meta: dict[str, Any]) -> dict[str, Any]:
         files = {}
         for f in sorted(folder.rglob("*")):
@@ -237,29 +248,56 @@ class ArtifactCache:
         if not self.artifacts.is_dir():
             return []
         out = []
+        blobs = self.store.inodes()
         for path in self.artifacts.iterdir():
             if not path.is_dir():
                 continue
-            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            size, shared = 0, []
+            for f in path.rglob("*"):
+                if not f.is_file():
+                    continue
+                st = f.stat()
+                blob = blobs.get((st.st_dev, st.st_ino)) if st.st_nlink > 1 else None
+                if blob is None:
+                    size += st.st_size
+                else:
+                    shared.append(blob.path.name)
             try:
                 m = json.loads((path / MANIFEST).read_text())
                 used = (path / MANIFEST).stat().st_mtime
                 out.append(CachedArtifact(path, m["model"], m["backend"], m["dtype"], int(m["cache_len"]), size,
-                                          float(m["created"]), used, m.get("digest", "")[:32], True))
+                                          float(m["created"]), used, m.get("digest", "")[:32], True, tuple(shared)))
             except (OSError, ValueError, KeyError, TypeError):
                 mtime = path.stat().st_mtime
-                out.append(CachedArtifact(path, path.name, "?", "?", 0, size, mtime, mtime, "", False))
+                out.append(CachedArtifact(path, path.name, "?", "?", 0, size, mtime, mtime, "", False, tuple(shared)))
         return sorted(out, key=lambda e: -e.last_used)
 
     def remove(self, entry: CachedArtifact) -> None:
-        """Delete an entry, under its key's lock so that no build or load of that key is cut short."""
+        """Delete an entry, under its key's lock so that no build or load of that key is cut short,
+        then the stored weights no other entry uses."""
         self._prepare()
         lock = self.root / "locks" / f"{entry.digest}.lock" if entry.digest else None
         if lock is None:
             self._discard(entry.path)
-            return
-        with FileLock(str(lock)):
-            self._discard(entry.path)
+        else:
+            with FileLock(str(lock)):
+                self._discard(entry.path)
+        self.store.remove_unused()
+
+    def freed_with(self, entries: list[CachedArtifact]) -> list[Blob]:
+        """The stored weights that removing `entries` leaves unused (every user among them), and the
+        ones nothing uses already."""
+        out = []
+        for b in self.store.blobs():
+            users = sum(b.path.name in e.shared for e in entries)
+            if users >= b.users:
+                out.append(b)
+        return out
+
+    def shared_bytes(self, entries: list[CachedArtifact]) -> int:
+        """The stored weights `entries` link, each counted once."""
+        used = {name for e in entries for name in e.shared}
+        return sum(b.size for b in self.store.blobs() if b.path.name in used)
 
     def prune(self, older_than_s: float | None = None, max_bytes: int | None = None,
               dry_run: bool = False) -> list[CachedArtifact]:
@@ -271,11 +309,12 @@ class ArtifactCache:
             stale = older_than_s is not None and now - e.last_used > older_than_s
             (gone if stale or not e.intact else keep).append(e)
         if max_bytes is not None:
-            while keep and sum(e.size for e in keep) > max_bytes:
+            while keep and sum(e.size for e in keep) + self.shared_bytes(keep) > max_bytes:
                 gone.append(keep.pop())  # `entries` is most recent first: the last is least recent
         if not dry_run:
             for e in gone:
                 self.remove(e)
+            self.store.remove_unused()  # also what a removed entry's crash left unlinked
         return gone
 
     def touch(self, path: Path) -> None:

@@ -103,15 +103,15 @@ def compile_model(model: str | Path | Model | None, backend: str = "torch", dtyp
         toolchain=tuple(sorted(be.toolchain().items())),
     )
 
+    cache = cache or ArtifactCache()
+
     def build(out: Path) -> None:
         if progress:
             progress(f"compiling {key.model} for {be.name} ({dt}, cache {n}); later runs load it from the cache")
         ckpt = Checkpoint(m.files)
-        be.compile(build_graph(m.spec), ckpt, dt, n, out)
+        be.compile(build_graph(m.spec), ckpt, dt, n, out, place=cache.placer(key))
 
-    entry = (cache or ArtifactCache()).get_or_build(
-        key, build, meta={"source": str(m.path), "model_type": m.spec.model_type}
-    )
+    entry = cache.get_or_build(key, build, meta={"source": str(m.path), "model_type": m.spec.model_type})
     return Compiled(m, be.name, dt, n, entry.path, entry.hit, time.perf_counter() - t0)
 
 

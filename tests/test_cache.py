@@ -86,8 +86,8 @@ def test_interrupted_build_leaves_nothing(model, cache, monkeypatch):
     backend = type(get_backend("torch"))
     real = backend.compile
 
-    def interrupted(self, graph, ckpt, dtype, cache_len, out):
-        real(self, graph, ckpt, dtype, cache_len, out)
+    def interrupted(self, graph, ckpt, dtype, cache_len, out, place):
+        real(self, graph, ckpt, dtype, cache_len, out, place)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(backend, "compile", interrupted)
@@ -139,3 +139,96 @@ def test_cache_under_a_file_is_a_clear_error(model, tmp_path):
     blocker.write_text("")
     with pytest.raises(CacheError, match="not writable"):
         compile_model(model, "torch", "float32", 32, cache=ArtifactCache(blocker / "c"))
+
+
+# --- weights stored once ------------------------------------------------------------------------
+
+def _inode(path):
+    st = path.stat()
+    return st.st_dev, st.st_ino
+
+
+def test_cache_lengths_and_backends_share_one_stored_copy(model, cache):
+    """Two cache lengths of torch and one of jax link one safetensors blob; ONNX Runtime's two link
+    one data file of their own layout. A second cache length adds kilobytes."""
+    import importlib.util
+
+    first = compile_model(model, "torch", "float32", 32, cache=cache)
+    second = compile_model(model, "torch", "float32", 48, cache=cache)
+    weights = first.artifact / "weights.safetensors"
+    assert _inode(weights) == _inode(second.artifact / "weights.safetensors")
+    blobs = cache.store.blobs()
+    assert len(blobs) == 1 and blobs[0].users == 2
+    by_name = {e.path: e for e in cache.entries()}
+    assert by_name[second.artifact].size < 100_000 < weights.stat().st_size  # own files only
+    assert by_name[second.artifact].shared == (blobs[0].path.name,)
+    if importlib.util.find_spec("jax"):
+        jax = compile_model(model, "jax", "float32", 32, cache=cache)
+        assert _inode(jax.artifact / "weights.safetensors") == _inode(weights)
+    if importlib.util.find_spec("onnxruntime"):
+        a = compile_model(model, "onnxruntime", "float32", 32, cache=cache)
+        b = compile_model(model, "onnxruntime", "float32", 48, cache=cache)
+        assert _inode(a.artifact / "model.onnx.data") == _inode(b.artifact / "model.onnx.data")
+        assert len(cache.store.blobs()) == 2
+
+
+def test_removing_one_user_keeps_the_others_working(model, cache):
+    from linnet_core.compile import load_model
+
+    first = compile_model(model, "torch", "float32", 32, cache=cache)
+    second = compile_model(model, "torch", "float32", 48, cache=cache)
+    entry = next(e for e in cache.entries() if e.path == first.artifact)
+    assert cache.freed_with([entry]) == []  # the other entry still uses the weights
+    cache.remove(entry)
+    assert len(cache.store.blobs()) == 1
+    session, again = load_model(model, "torch", "float32", 48, cache=cache)
+    assert again.hit and again.artifact == second.artifact
+    assert session.prefill([1, 2, 3]).tokens
+    last = next(e for e in cache.entries() if e.path == second.artifact)
+    assert [b.path for b in cache.freed_with([last])] == [cache.store.blobs()[0].path]
+    cache.remove(last)
+    assert cache.store.blobs() == []  # the last user gone, so are the weights
+
+
+def test_prune_keeps_weights_in_use_and_drops_unused_ones(model, cache):
+    compile_model(model, "torch", "float32", 32, cache=cache)
+    compile_model(model, "torch", "float32", 48, cache=cache)
+    old = next(e for e in cache.entries() if e.cache_len == 32)
+    os.utime(old.path / "manifest.json", (1, 1))  # last used long ago
+    gone = cache.prune(older_than_s=3600)
+    assert [e.cache_len for e in gone] == [32]
+    assert len(cache.store.blobs()) == 1 and cache.store.blobs()[0].users == 1
+    assert cache.prune(max_bytes=1)  # nothing fits: the last entry goes, and its weights with it
+    assert cache.store.blobs() == [] and cache.entries() == []
+
+
+def test_damaged_shared_weights_are_rebuilt(model, cache):
+    first = compile_model(model, "torch", "float32", 32, cache=cache)
+    blob = cache.store.blobs()[0].path
+    with open(blob, "r+b") as f:  # a half-written blob, as a killed writer would leave it
+        f.truncate(blob.stat().st_size // 2)
+    with pytest.warns(CacheWarning, match="damaged"):
+        again = compile_model(model, "torch", "float32", 32, cache=cache)
+    assert not again.hit and cache.store.intact(blob)
+    assert _inode(again.artifact / "weights.safetensors") == _inode(blob)
+    assert compile_model(model, "torch", "float32", 48, cache=cache).artifact != first.artifact
+    assert len(cache.store.blobs()) == 1
+
+
+def test_concurrent_compiles_of_two_cache_lengths_write_one_blob(model, tmp_path):
+    root = tmp_path / "shared-cache"
+    script = textwrap.dedent(f"""
+        import sys
+        from linnet_core.cache import ArtifactCache
+        from linnet_core.compile import compile_model
+        compile_model({str(model)!r}, "torch", "float32", int(sys.argv[1]), cache=ArtifactCache({str(root)!r}))
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(n)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for n in (32, 48)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), results
+    cache = ArtifactCache(root)
+    assert len(cache.entries()) == 2
+    blobs = cache.store.blobs()
+    assert len(blobs) == 1 and blobs[0].users == 2
+    assert not [p for p in (root / "weights").iterdir() if p.name.startswith(".")]  # no temporary left

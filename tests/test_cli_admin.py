@@ -69,9 +69,13 @@ def test_cache_path_and_ls(filled_cache):
     assert [e["path"] for e in data["entries"]] == made[::-1]  # most recently used first
     first = data["entries"][0]
     assert first["backend"] == "torch" and first["cache_len"] == 24 and first["bytes"] > 0 and first["intact"]
-    assert data["bytes"] == sum(e["bytes"] for e in data["entries"])
+    # Each entry's own files, then each stored weights file once (one per dtype here) with its user.
+    assert data["bytes"] == sum(e["bytes"] for e in data["entries"]) + sum(w["bytes"] for w in data["shared_weights"])
+    assert sorted(w["used_by"] for w in data["shared_weights"]) == sorted([os.path.basename(m)] for m in made)
+    assert all(len(e["shared_weights"]) == 1 for e in data["entries"])
     human = invoke("cache", "ls").stdout
     assert "qwen2-bias-tied" in human and "3 entries" in human and "40d ago" in human
+    assert "3 stored weights" in human and "stored weights (shared)" in human
 
 
 def test_cache_prune_by_age_and_size(filled_cache):
@@ -80,8 +84,11 @@ def test_cache_prune_by_age_and_size(filled_cache):
     assert [e["path"] for e in dry["removed"]] == [made[0]] and os.path.isdir(made[0])
     r = invoke("cache", "prune", "--older-than", "30d")
     assert r.exit_code == 0 and "removed 1 entries" in r.stdout and not os.path.exists(made[0])
-    sizes = {e["path"]: e["bytes"] for e in json.loads(invoke("cache", "ls", "--json").stdout)["entries"]}
-    r = invoke("cache", "prune", "--max-size", str(sizes[made[2]]), "--json")  # room for one: the newest stays
+    ls = json.loads(invoke("cache", "ls", "--json").stdout)
+    newest = os.path.basename(made[2])
+    room = next(e["bytes"] for e in ls["entries"] if e["path"] == made[2]) \
+        + next(w["bytes"] for w in ls["shared_weights"] if w["used_by"] == [newest])
+    r = invoke("cache", "prune", "--max-size", str(room), "--json")  # room for one: the newest stays
     assert [e["path"] for e in json.loads(r.stdout)["removed"]] == [made[1]]
     assert os.path.isdir(made[2]) and not os.path.exists(made[1])
 

@@ -41,18 +41,41 @@ def cache_path(json: JsonOpt = False, quiet: QuietOpt = False) -> None:
 @cache_app.command("ls")
 @handle_errors
 def cache_ls(json: JsonOpt = False, quiet: QuietOpt = False) -> None:
-    """Every artifact: model, backend, dtype, cache length, size, age and last use (most recent first)."""
+    """Every artifact: model, backend, dtype, cache length, own size, age and last use (most recent first),
+    then the stored weights they share, each once, with what uses them."""
     from linnet_core.cache import ArtifactCache
 
     cache = ArtifactCache()
     entries = cache.entries()
-    total = sum(e.size for e in entries)
+    blobs = cache.store.blobs()
+    total = sum(e.size for e in entries) + sum(b.size for b in blobs)
     from rich.console import Group
 
-    summary = f"[dim]{len(entries)} entries · {format_size(total)} · {escape(str(cache.root))}[/]"
-    human = Group(_table(entries), summary) if entries else summary
+    summary = (f"[dim]{len(entries)} entries · {len(blobs)} stored weights · {format_size(total)} · "
+               f"{escape(str(cache.root))}[/]")
+    parts = ([_table(entries)] if entries else []) + ([_weights_table(blobs, entries)] if blobs else [])
+    human = Group(*parts, summary) if parts else summary
     Sink(json, quiet).data(human, {"root": str(cache.root), "bytes": total,
-                                   "entries": [e.to_json() for e in entries]})
+                                   "entries": [e.to_json() for e in entries],
+                                   "shared_weights": [{**b.to_json(), "used_by": [e.path.name for e in entries
+                                                                                 if b.path.name in e.shared]}
+                                                      for b in blobs]})
+
+
+def _weights_table(blobs, entries):
+    """The stored weights, each once, with the entries that link them (their sizes are not in the entries')."""
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False, title="stored weights (shared)", title_justify="left")
+    for col, justify in (("weights", "left"), ("model", "left"), ("dtype", "left"), ("layout", "left"),
+                         ("size", "right"), ("used by", "left")):
+        table.add_column(col, justify=justify)
+    for b in blobs:
+        users = [e.path.name for e in entries if b.path.name in e.shared]
+        table.add_row(escape(b.path.name), escape(str(b.meta.get("model", "?"))), str(b.meta.get("dtype", "?")),
+                      str(b.meta.get("layout", "?")), format_size(b.size),
+                      escape(", ".join(users)) if users else "[dim]nothing (removed by rm and prune)[/]")
+    return table
 
 
 def _matching(entries, patterns: list[str], backend: str | None, every: bool):
@@ -87,12 +110,21 @@ def cache_rm(
 
     cache = ArtifactCache()
     chosen = _matching(cache.entries(), names or [], backend, every)
+    freed = cache.freed_with(chosen)
     if not dry_run:
         for e in chosen:
             cache.remove(e)
+    _say_removed(json, quiet, dry_run, chosen, freed)
+
+
+def _say_removed(json: bool, quiet: bool, dry_run: bool, entries, freed) -> None:
+    """One line: entries removed, and the stored weights that went with them (used by no other entry)."""
     verb = "would remove" if dry_run else "removed"
-    Sink(json, quiet).data(f"{verb} {len(chosen)} entries ({format_size(sum(e.size for e in chosen))})",
-                           {"removed": [e.to_json() for e in chosen], "dry_run": dry_run})
+    size = sum(e.size for e in entries) + sum(b.size for b in freed)
+    weights = f" and {len(freed)} stored weights no other entry uses" if freed else ""
+    Sink(json, quiet).data(f"{verb} {len(entries)} entries{weights} ({format_size(size)})",
+                           {"removed": [e.to_json() for e in entries], "removed_weights": [b.to_json() for b in freed],
+                            "bytes": size, "dry_run": dry_run})
 
 
 @cache_app.command("prune")
@@ -112,8 +144,12 @@ def cache_prune(
 
     if older_than is None and max_size is None:
         raise InputError("say what to prune: --older-than, --max-size, or both")
-    gone = ArtifactCache().prune(parse_duration(older_than) if older_than else None,
-                                 parse_size(max_size) if max_size else None, dry_run)
-    verb = "would remove" if dry_run else "removed"
-    Sink(json, quiet).data(f"{verb} {len(gone)} entries ({format_size(sum(e.size for e in gone))})",
-                           {"removed": [e.to_json() for e in gone], "dry_run": dry_run})
+    cache = ArtifactCache()
+    chosen = cache.prune(parse_duration(older_than) if older_than else None,
+                         parse_size(max_size) if max_size else None, dry_run=True)
+    freed = cache.freed_with(chosen)
+    if not dry_run:  # exactly what was chosen above, so the line below says what happened
+        for e in chosen:
+            cache.remove(e)
+        cache.store.remove_unused()
+    _say_removed(json, quiet, dry_run, chosen, freed)

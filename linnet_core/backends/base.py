@@ -20,6 +20,7 @@ from ..ir.graph import Graph
 from ..ir.passes import optimize
 from ..ir.ragged import to_ragged
 from ..runtime.session import Session
+from ..weight_store import Placer, fingerprint, write_here
 from ..weights import Checkpoint
 from .artifact import WEIGHTS_FILE, write_artifact_info, write_prepared_weights
 
@@ -64,12 +65,14 @@ class Backend(ABC):
         g = optimize(graph)
         return to_ragged(g) if self.ragged else g
 
-    def compile(self, graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path) -> None:
-        """Write the artifact's files into `out` (a fresh temporary folder)."""
+    def compile(self, graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path,
+                place: Placer = write_here) -> None:
+        """Write the artifact's files into `out` (a fresh temporary folder); the weights go through
+        `place`, which links them from the cache's store when another entry already holds them."""
         graph = self.lower(graph)
         prepared.check_against(graph, ckpt)  # names and shapes, before anything is written
         emitted = self.emit(graph, dtype, cache_len, out)
-        self.write_weights(graph, ckpt, dtype, out, emitted)
+        self.write_weights(graph, ckpt, dtype, out, emitted, place)
         write_artifact_info(out, graph, dtype, cache_len, format=self.artifact_format, **self.artifact_extra(graph))
         self.finish(out)
 
@@ -77,9 +80,12 @@ class Backend(ABC):
     def emit(self, graph: Graph, dtype: str, cache_len: int, out: Path) -> Any:
         """Write the artifact's code (a module, a graph); returns what `write_weights` may need."""
 
-    def write_weights(self, graph: Graph, ckpt: Checkpoint, dtype: str, out: Path, emitted: Any) -> None:
-        """The prepared weights, in the compile dtype, as the passes fused them."""
-        write_prepared_weights(out / WEIGHTS_FILE, graph, ckpt, dtype)
+    def write_weights(self, graph: Graph, ckpt: Checkpoint, dtype: str, out: Path, emitted: Any,
+                      place: Placer) -> None:
+        """The prepared weights, in the compile dtype, as the passes fused them: one layout for every
+        backend that loads them, so all of them (and every cache length) share one stored copy."""
+        place(out / WEIGHTS_FILE, "safetensors", fingerprint(prepared.layout(graph, dtype)),
+              lambda path: write_prepared_weights(path, graph, ckpt, dtype))
 
     def artifact_extra(self, graph: Graph) -> dict[str, Any]:
         """Backend-specific entries of artifact.json."""

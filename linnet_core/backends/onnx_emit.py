@@ -34,6 +34,7 @@ from ..ir.graph import Graph, Node
 from ..ir.ragged import RAGGED_INPUTS
 from ..ir.rope import inv_freq
 from ..ir.verify import verify
+from ..weight_store import Placer, fingerprint, write_here
 from ..weights import Checkpoint
 from . import decompose
 from .lowering import Lowering
@@ -461,12 +462,15 @@ def build_onnx(graph: Graph, dtype: str, cache_len: int):
 
 
 def write_onnx(model, graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: Path,
-               model_name: str = "model.onnx") -> dict:
-    """Stream the weights into `{model_name}.data`, then write the model that points into it and
-    `interface.json`; returns the interface."""
+               model_name: str = "model.onnx", place: Placer = write_here) -> dict:
+    """The weights into `{model_name}.data` (through `place`: linked from the cache's store when it
+    holds them), then the model that points into it and `interface.json`; returns the interface."""
     onnx = require_onnx()
-    weights = _write_external_weights(graph, ckpt, dtype, out / f"{model_name}.data", f"{model_name}.data")
-    model.graph.initializer.extend(weights)
+    data = f"{model_name}.data"
+    entries = external_layout(graph, dtype)
+    place(out / data, "onnx", fingerprint([(name, shape, offset) for name, shape, offset, _ in entries]),
+          lambda path: _write_external_weights(graph, ckpt, dtype, path, entries))
+    model.graph.initializer.extend(_external_protos(entries, dtype, data))
     onnx.save_model(model, str(out / model_name))
     info = interface(graph, dtype, cache_len)
     (out / "interface.json").write_text(json.dumps(info, indent=2))
@@ -481,30 +485,49 @@ def emit_onnx(graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: P
     return write_onnx(build_onnx(graph, dtype, cache_len), graph, ckpt, dtype, cache_len, out, model_name)
 
 
-def _write_external_weights(graph: Graph, ckpt: Checkpoint, dtype: str, path: Path, location: str) -> list:
-    """Stream every weight into one data file; return TensorProtos that point into it."""
+DATA_ALIGN = 64  # every tensor's offset in the data file, so runtimes may map the weights directly
+
+
+def external_layout(graph: Graph, dtype: str) -> list[tuple[str, list[int], int, int]]:
+    """(name, shape as stored, offset, length) of every weight in the data file: linear weights
+    transposed ([in, out], as MatMul takes them), each at an aligned offset. Fixed by the graph and
+    dtype alone, so an existing data file can be pointed into without reading it."""
+    transpose = transposed(graph)
+    fmt = FORMATS[dtype]
+    out, offset = [], 0
+    for full, p, _ in graph.all_params():
+        shape = list(p.shape[::-1]) if full in transpose else list(p.shape)
+        offset += -offset % DATA_ALIGN
+        length = fmt.nbytes(int(np.prod(shape, dtype=np.int64)))
+        out.append((full, shape, offset, length))
+        offset += length
+    return out
+
+
+def _external_protos(entries: list[tuple[str, list[int], int, int]], dtype: str, location: str) -> list:
     from onnx import TensorProto
 
+    protos = []
+    for name, shape, offset, length in entries:
+        proto = TensorProto(name=name, data_type=FORMATS[dtype].onnx, dims=shape, data_location=TensorProto.EXTERNAL)
+        for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+            entry = proto.external_data.add()
+            entry.key, entry.value = key, value
+        protos.append(proto)
+    return protos
+
+
+def _write_external_weights(graph: Graph, ckpt: Checkpoint, dtype: str, path: Path,
+                            entries: list[tuple[str, list[int], int, int]]) -> None:
+    """Stream every weight into the data file at its place in `entries`, one tensor at a time."""
     transpose = transposed(graph)
     torch_dt = torch_dtype(dtype)
-    protos = []
     with open(path, "wb") as f:
-        for full, p, layer in graph.all_params():
+        for (full, p, layer), (name, shape, offset, length) in zip(graph.all_params(), entries):
             t = prepared.materialize(p, layer, ckpt, torch_dt)
-            if full in transpose:
-                t = t.t()
-            t = t.contiguous()
-            offset = f.tell()
-            offset += -offset % 64  # aligned, so runtimes may map the weights directly
+            t = (t.t() if full in transpose else t).contiguous()
+            assert name == full and list(t.shape) == shape and t.numel() * t.element_size() == length, name
             f.seek(offset)
-            raw = t.view(torch.uint8) if t.numel() else t
-            f.write(raw.numpy().tobytes())
-            proto = TensorProto(name=full, data_type=FORMATS[dtype].onnx, dims=list(t.shape),
-                                data_location=TensorProto.EXTERNAL)
-            for key, value in (("location", location), ("offset", str(offset)), ("length", str(t.numel() * t.element_size()))):
-                entry = proto.external_data.add()
-                entry.key, entry.value = key, value
-            protos.append(proto)
+            f.write((t.view(torch.uint8) if t.numel() else t).numpy().tobytes())
         f.flush()
         os.fsync(f.fileno())
-    return protos

@@ -20,6 +20,7 @@ from ..errors import BackendUnavailable
 from ..ir.graph import Graph
 from ..runtime.ragged import RaggedLayout
 from ..runtime.session import Session
+from ..weight_store import Placer
 from ..weights import Checkpoint
 from .artifact import read_info
 from .base import Backend
@@ -172,10 +173,10 @@ class OnnxRuntimeBackend(Backend):
     def emit(self, graph: Graph, dtype: str, cache_len: int, out: Path):
         model = build_onnx(graph, dtype, cache_len)
         # The weights are the model's external data: the model file is written once they are.
-        return lambda ckpt: write_onnx(model, graph, ckpt, dtype, cache_len, out)
+        return lambda ckpt, place: write_onnx(model, graph, ckpt, dtype, cache_len, out, place=place)
 
-    def write_weights(self, graph: Graph, ckpt: Checkpoint, dtype: str, out: Path, emitted) -> None:
-        emitted(ckpt)
+    def write_weights(self, graph: Graph, ckpt: Checkpoint, dtype: str, out: Path, emitted, place: Placer) -> None:
+        emitted(ckpt, place)
 
     def session_options(self):
         ort = import_ort()
