@@ -107,12 +107,15 @@ def random_tensor(name: str, shape: tuple[int, ...]):
 
 
 def write_seed(name: str, out: Path, tiny: bool = False, shard_gb: float = 2.0) -> Path:
+    return write_random_checkpoint(seed_config(name, tiny), out, SEEDS[name][2], shard_gb)
+
+
+def write_random_checkpoint(config, out: Path, tokenizer: str | None = None, shard_gb: float = 2.0) -> Path:
+    """A checkpoint of `config`'s shapes with random bfloat16 weights, one shard in memory at a time,
+    and a trained tokenizer in the style `tokenizer` (tests/tokenizer_fixtures.py) when given."""
     from safetensors.torch import save_file
+    from transformers import GenerationConfig
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from tokenizer_fixtures import write_tokenizer
-
-    config = seed_config(name, tiny)
     out.mkdir(parents=True, exist_ok=True)
     shapes = tensor_shapes(config)
     shards = plan_shards(shapes, int(shard_gb * 2**30))
@@ -127,10 +130,12 @@ def write_seed(name: str, out: Path, tiny: bool = False, shard_gb: float = 2.0) 
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     config.save_pretrained(out)
-    from transformers import GenerationConfig
-
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(out)
-    write_tokenizer(out, SEEDS[name][2], config.vocab_size)  # sets the config's bos/eos ids to the tokenizer's
+    if tokenizer:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from tokenizer_fixtures import write_tokenizer
+
+        write_tokenizer(out, tokenizer, config.vocab_size)  # sets the config's bos/eos ids to the tokenizer's
     return out
 
 

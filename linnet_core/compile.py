@@ -12,6 +12,7 @@ from .dtypes import DTYPES, normalize_dtype
 from .cache import ArtifactCache, ArtifactKey, model_identity
 from .errors import BackendUnavailable, InputError
 from .hub import ResolvedModel, resolve
+from .memory import check_fits
 from .models import build_graph, read_config, spec_from_config
 from .models.spec import ModelSpec
 from .runtime.session import Session
@@ -106,6 +107,7 @@ def compile_model(model: str | Path | Model | None, backend: str = "torch", dtyp
     cache = cache or ArtifactCache()
 
     def build(out: Path) -> None:
+        check_fits(m.spec, be, dt, n, 1, be.default_device())  # the build's warm-up loads a session
         if progress:
             progress(f"compiling {key.model} for {be.name} ({dt}, cache {n}); later runs load it from the cache")
         ckpt = Checkpoint(m.files)
@@ -123,5 +125,7 @@ def load_model(model: str | Path | Model | None, backend: str = "torch", dtype: 
     if rows < 1:
         raise InputError(f"rows must be at least 1, got {rows}")
     compiled = compile_model(model, backend, dtype, cache_len, revision=revision, cache=cache, progress=progress)
-    session = get_backend(compiled.backend).load(compiled.artifact, rows, device)
+    be = get_backend(compiled.backend)
+    check_fits(compiled.model.spec, be, compiled.dtype, compiled.cache_len, rows, device or be.default_device())
+    session = be.load(compiled.artifact, rows, device)
     return session, compiled

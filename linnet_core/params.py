@@ -59,11 +59,19 @@ def layout(graph: Graph, dtype: str) -> tuple[list[tuple[str, tuple[int, ...], t
 
 
 def produce(graph: Graph, ckpt: Checkpoint, dtype: str) -> Iterator[torch.Tensor]:
-    """The prepared weights in `layout` order, one at a time."""
+    """The prepared weights in `layout` order, one at a time (each source released once written)."""
     _, aliases = layout(graph, dtype)
     for full, p, layer in graph.all_params():
         if full not in aliases:
             yield materialize(p, layer, ckpt, torch_dtype(dtype))
+            release_sources(p, layer, ckpt)
+
+
+def release_sources(p: Param, layer: int | None, ckpt: Checkpoint) -> None:
+    """Drop the checkpoint pages a param was made from: a compile or export streams the model
+    through memory instead of ending with all of it resident."""
+    for s in p.sources(layer):
+        ckpt.release(s)
 
 
 def linear_weights(graph: Graph) -> dict[str, list[str]]:

@@ -8,13 +8,14 @@ the reference logits, since a rounding error is relative to the number rounded.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .compile import Model, load_model, open_model
+from .compile import Model, compile_model, load_model, open_model
 from .errors import CheckpointError, InputError
 from .reference import load_reference, run_reference
 from .tokenizer import Tokenizer
@@ -83,10 +84,20 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
     if steps < 1:
         raise InputError(f"--steps must be at least 1, got {steps}")
     need = len(ids) + steps
+    compiled = compile_model(m, backend, dtype, cache_len,
+                             **{k: v for k, v in load_kw.items() if k in ("cache", "progress")})
+    if need > compiled.cache_len:
+        raise InputError(f"the prompt and {steps} steps need {need} positions; the cache has {compiled.cache_len}")
+    # The reference first, then the backend: only the reference's logits are kept in between, so a
+    # model as big as memory allows is never held twice.
+    if reference is None:
+        ref_model = load_reference(m.path)
+        ref = run_reference(ref_model, ids, steps)
+        del ref_model
+        gc.collect()
+    else:
+        ref = run_reference(reference, ids, steps)
     session, compiled = load_model(m, backend, dtype, cache_len, rows=1, **load_kw)
-    if need > session.cache_len:
-        raise InputError(f"the prompt and {steps} steps need {need} positions; the cache has {session.cache_len}")
-    ref = run_reference(reference if reference is not None else load_reference(m.path), ids, steps)
 
     got = [session.prefill(ids, logits="all")]
     for k in range(steps):

@@ -170,6 +170,21 @@ class Checkpoint:
         return flat.view(info.shape)
 
 
+    def release(self, name: str) -> None:
+        """Drop the pages of `name` from this process's memory (the whole pages inside its bytes):
+        after a tensor was copied or packed elsewhere, its mapped original need not stay resident.
+        The mapping stays valid; the pages would be read again from the file if touched."""
+        info = self.info(name)
+        mm = self._maps.get(info.file)
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        start = -(-info.start // page) * page
+        end = (info.start + info.nbytes) // page * page
+        if end > start:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 

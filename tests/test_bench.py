@@ -185,3 +185,24 @@ def test_serving_rounds_interleave_and_report_the_median(tokenized_checkpoints, 
     assert "Output tok/s in each round" in r.stdout
     bad = invoke("bench", tokenized_checkpoints["qwen2-bias-tied"], "--serving", "--rounds", "0")
     assert bad.exit_code == 2 and "--rounds" in bad.stderr
+
+
+def test_sequential_probes_beside_each_side_and_flags_an_under_read(checkpoints, monkeypatch, tmp_path):
+    """A probe that reads less than a side moves is said to have under-read, never shown as a bare >100%."""
+    import linnet_core.bench.run as run
+    from linnet_core.bench.report import markdown, roofline
+
+    probes = []
+
+    def probe(device, *a, **k):
+        probes.append(device)
+        return 1e3  # bytes/s: far below what any side moves
+
+    monkeypatch.setattr(run, "stream_bandwidth", probe)
+    method = Method(prompt_tokens=8, new_tokens=4, runs=1, warmups=0)
+    result = bench(checkpoints["llama-gqa-untied"], method, pick(["torch"], []), "cpu", tmp_path, sequential=True)
+    rows = {r["key"]: r for r in result.rows()}
+    assert len(probes) == 2 + 2  # start, one beside each of the two sides, end
+    assert all(r["bandwidth_probe_bytes_s"] == 1e3 for r in rows.values())
+    assert rows["linnet:torch"]["roofline_under_read"] and roofline(rows["linnet:torch"]).endswith("%*")
+    assert "probe read less than that side moved" in markdown(result)

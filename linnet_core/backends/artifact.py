@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import params as prepared
 from ..ir.graph import Graph
-from ..weights import Checkpoint, write_safetensors
+from ..weights import Checkpoint, read_header, write_safetensors
 
 if TYPE_CHECKING:
     from ..runtime.session import Session
@@ -52,14 +52,45 @@ def write_prepared_weights(path: Path, graph: Graph, ckpt: Checkpoint, dtype: st
     write_safetensors(path, entries, prepared.produce(graph, ckpt, dtype), metadata={ALIASES_KEY: json.dumps(aliases)})
 
 
-def load_prepared_weights(path: Path, device: str) -> dict[str, Any]:
-    """{"global": {...}, "layers": [{...}, ...]} from a prepared safetensors file (mapped, not read)."""
+class PreparedWeights(dict):
+    """{"global": {...}, "layers": [{...}, ...]} viewing a mapped prepared-weights file. A loader that
+    copies or packs a tensor elsewhere calls `release(name)`, so its mapped original stops counting
+    against the process's memory: the session then holds each weight once, not twice."""
+
+    def __init__(self, groups: dict[str, Any], source: Checkpoint | None = None, aliases: dict[str, str] | None = None):
+        super().__init__(groups)
+        self._source, self._aliases = source, aliases or {}
+
+    def release(self, name: str) -> None:
+        """`name` as the file has it: global names as they are, block weights as blk.<i>.<name>."""
+        if self._source is not None:
+            self._source.release(self._aliases.get(name, name))
+
+
+def load_prepared_weights(path: Path, device: str) -> PreparedWeights:
+    """The prepared weights, mapped from the file (not read) on CPU; on another device, copied there
+    one tensor at a time, each mapped original released once copied."""
     ckpt = Checkpoint([path])
-    flat = {name: ckpt.get(name) for name in ckpt.tensors}
-    if device != "cpu":
-        flat = {k: v.to(device) for k, v in flat.items()}
-    for alias, target in json.loads(ckpt.metadata.get(ALIASES_KEY, "{}")).items():
-        flat[alias] = flat[target]
+    aliases = json.loads(ckpt.metadata.get(ALIASES_KEY, "{}"))
+    flat = {}
+    for name in ckpt.tensors:
+        flat[name] = ckpt.get(name) if device == "cpu" else ckpt.get(name).to(device)
+        if device != "cpu":
+            ckpt.release(name)
+    return PreparedWeights(_grouped(flat, aliases), ckpt if device == "cpu" else None, aliases)
+
+
+def prepared_shapes(path: Path) -> dict[str, Any]:
+    """The structure `load_prepared_weights` returns, with (shape, torch dtype) in place of each
+    tensor: read from the file's header alone (what a compile that needs no numbers takes)."""
+    infos, metadata, _ = read_header(path)
+    return _grouped({name: (tuple(i.shape), i.dtype) for name, i in infos.items()},
+                    json.loads(metadata.get(ALIASES_KEY, "{}")))
+
+
+def _grouped(flat: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+    """{"global": {...}, "layers": [{...}, ...]} of flat file names (blk.<i>.<name> for blocks)."""
+    flat = {**flat, **{alias: flat[target] for alias, target in aliases.items()}}
     layers: dict[int, dict[str, Any]] = {}
     glob: dict[str, Any] = {}
     for name, t in flat.items():
@@ -111,3 +142,8 @@ def warm_up(session: "Session") -> None:
     artifact's caches at compile time."""
     session.prefill([0, 0])  # two tokens: one would take the decode shape
     session.decode([0], [2], [0])
+
+
+def warm_up_shapes(cache_len: int) -> list[tuple[int, int]]:
+    """The padded [B, T] steps `warm_up` runs: what a backend that compiles without running builds."""
+    return [(1, bucket(2, MIN_PROMPT_BUCKET, cache_len)), (1, 1)]

@@ -32,6 +32,7 @@ class Backend(ABC):
     dtypes: tuple[str, ...] = DTYPES
     ragged: bool = False  # emits the ragged step (ir.ragged): every session step is one call
     artifact_format = "1"  # bump when the artifact's files or their meaning change
+    copies_of_tied = 1  # how often its layout stores a tied output head
 
     @abstractmethod
     def toolchain(self) -> dict[str, str]:
@@ -59,6 +60,11 @@ class Backend(ABC):
         except BackendUnavailable:
             return "cpu"
         return "cuda"
+
+    def weight_copies(self, dtype: str, device: str) -> float:
+        """A session's resident memory per byte of prepared weights (memory.check_fits): one, since
+        loaders map the weights or release the originals of what they copy."""
+        return 1.0
 
     def lower(self, graph: Graph) -> Graph:
         """The graph this backend emits."""

@@ -96,9 +96,12 @@ def pack_linear_weights(weights: dict, names: dict[str, list[str]]) -> list[Pack
     if sample.device.type != "cpu" or not packing_works(sample.dtype):
         return []
     kernels: list[PackedLinear] = []
-    groups = [(weights["global"], names["global"])] + [(layer, names["block"]) for layer in weights["layers"]]
-    for group, linear_names in groups:
+    release = getattr(weights, "release", lambda name: None)  # the mapped original, once packed
+    groups = [(weights["global"], names["global"], "")]
+    groups += [(layer, names["block"], f"blk.{i}.") for i, layer in enumerate(weights["layers"])]
+    for group, linear_names, prefix in groups:
         for name in linear_names:
             group[name] = PackedLinear(group[name], len(kernels))
             kernels.append(group[name])
+            release(prefix + name)
     return kernels

@@ -22,8 +22,8 @@ from ..errors import BackendUnavailable
 from ..ir.graph import Graph
 from ..runtime.sampling import Sampler
 from ..runtime.session import Session
-from .artifact import MIN_PROMPT_BUCKET, WEIGHTS_FILE, bucket, import_generated, load_prepared_weights, read_info, \
-    warm_up
+from .artifact import MIN_PROMPT_BUCKET, WEIGHTS_FILE, bucket, import_generated, load_prepared_weights, \
+    prepared_shapes, read_info, warm_up_shapes
 from .base import Backend
 
 INSTALL_HINT = "pip install 'linnet[jax]'"
@@ -91,7 +91,9 @@ def to_jax(t: torch.Tensor, device=None):
     import ml_dtypes
 
     host = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
-    return jax.device_put(host, device)
+    # A copy XLA owns, aligned as it wants: given the mapped file itself, XLA's CPU client copies
+    # every weight again at the first call, doubling the session's peak memory.
+    return jax.device_put(host.copy(), device)
 
 
 class XlaSession(Session):
@@ -109,6 +111,11 @@ class XlaSession(Session):
 
     def _device_step(self, ids, start, slots, last, all_logits: bool):
         """Run one padded step; returns (next_token, logits) device arrays, caches updated."""
+        raise NotImplementedError
+
+    def precompile(self, B: int, T: int, all_logits: bool = False) -> None:
+        """Compile the padded [B, T] step without running it (the weights may be shapes only), into
+        the artifact's caches."""
         raise NotImplementedError
 
     def _run(self, ids: Sequence[Sequence[int]], start: Sequence[int], slots: Sequence[int], all_logits: bool):
@@ -146,6 +153,12 @@ class JaxSession(XlaSession):
             self.weights, self.k_cache, self.v_cache, ids, start, slots, last, all_logits=all_logits)
         return next_token, logits
 
+    def precompile(self, B: int, T: int, all_logits: bool = False) -> None:
+        rows = np.zeros(B, dtype=np.int32)
+        ids = np.zeros((B, T), dtype=np.int32)
+        self._step.lower(self.weights, self.k_cache, self.v_cache, ids, rows, rows, rows,
+                         all_logits=all_logits).compile()
+
 
 class XlaBackend(Backend):
     """What the two XLA backends share: JAX as the toolchain (its version and platform key the cache)."""
@@ -159,6 +172,11 @@ class XlaBackend(Backend):
 
     def check_available(self, dtype: str) -> None:
         import_jax()
+
+    def weight_copies(self, dtype: str, device: str) -> float:
+        # XLA's CPU compiler runs half-precision dots in float32, converting the weights at every
+        # call: a bfloat16 session peaks at about three times its weights (measured, ~280M model).
+        return 3.0 if device == "cpu" and dtype in ("bfloat16", "float16") else 1.0
 
     def check_device(self, device: str) -> None:
         super().check_device(device)
@@ -176,7 +194,23 @@ class JaxBackend(XlaBackend):
         (out / "model_jax.py").write_text(emit(graph))
 
     def finish(self, out: Path) -> None:
-        warm_up(self.load(out, rows=1))
+        # Compiled from the weights' shapes alone, so a compile never holds the model in memory;
+        # a session's first calls then find these executables in the persistent cache.
+        import jax
+
+        use_compilation_cache(out / "xla_cache")
+        dev = jax_device(None)
+        np_dtype = numpy_dtype(read_info(out)["dtype"])
+        shapes = prepared_shapes(out / WEIGHTS_FILE)
+        sharding = jax.sharding.SingleDeviceSharding(dev)
+        weights = {"global": {k: jax.ShapeDtypeStruct(s, np_dtype, sharding=sharding)
+                              for k, (s, _) in shapes["global"].items()},
+                   "layers": [{k: jax.ShapeDtypeStruct(s, np_dtype, sharding=sharding) for k, (s, _) in layer.items()}
+                              for layer in shapes["layers"]]}
+        module = import_generated(out / "model_jax.py", "linnet_jax")
+        session = JaxSession(module, weights, read_info(out), 1, self.name, dev)
+        for B, T in warm_up_shapes(session.cache_len):
+            session.precompile(B, T)
         release_compilation_cache()  # `out` is about to be renamed: JAX must not keep writing there
 
     def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
@@ -185,6 +219,13 @@ class JaxBackend(XlaBackend):
         module = import_generated(artifact / "model_jax.py", "linnet_jax")
         host = load_prepared_weights(artifact / WEIGHTS_FILE, "cpu")
         dev = jax_device(device)
-        weights = {"global": {k: to_jax(v, dev) for k, v in host["global"].items()},
-                   "layers": [{k: to_jax(v, dev) for k, v in layer.items()} for layer in host["layers"]]}
+
+        def moved(name: str, t: torch.Tensor):
+            array = to_jax(t, dev)
+            host.release(name)  # XLA holds its own copy now
+            return array
+
+        weights = {"global": {k: moved(k, v) for k, v in host["global"].items()},
+                   "layers": [{k: moved(f"blk.{i}.{k}", v) for k, v in layer.items()}
+                              for i, layer in enumerate(host["layers"])]}
         return JaxSession(module, weights, info, rows, self.name, dev)

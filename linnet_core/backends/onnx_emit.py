@@ -485,7 +485,7 @@ def emit_onnx(graph: Graph, ckpt: Checkpoint, dtype: str, cache_len: int, out: P
     return write_onnx(build_onnx(graph, dtype, cache_len), graph, ckpt, dtype, cache_len, out, model_name)
 
 
-DATA_ALIGN = 64  # every tensor's offset in the data file, so runtimes may map the weights directly
+DATA_ALIGN = 4096  # every tensor at a page boundary: ONNX Runtime maps such external data instead of reading it
 
 
 def external_layout(graph: Graph, dtype: str) -> list[tuple[str, list[int], int, int]]:
@@ -529,5 +529,7 @@ def _write_external_weights(graph: Graph, ckpt: Checkpoint, dtype: str, path: Pa
             assert name == full and list(t.shape) == shape and t.numel() * t.element_size() == length, name
             f.seek(offset)
             f.write((t.view(torch.uint8) if t.numel() else t).numpy().tobytes())
+            del t
+            prepared.release_sources(p, layer, ckpt)
         f.flush()
         os.fsync(f.fileno())

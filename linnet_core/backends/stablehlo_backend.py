@@ -15,7 +15,7 @@ from pathlib import Path
 from ..errors import IRError
 from ..ir.graph import Graph
 from ..runtime.session import Session
-from .artifact import WEIGHTS_FILE, flat_weights, load_prepared_weights, read_graph, read_info, warm_up
+from .artifact import WEIGHTS_FILE, flat_weights, load_prepared_weights, read_graph, read_info, warm_up_shapes
 from .jax_backend import XlaBackend, XlaSession, import_jax, jax_device, to_jax
 from .stablehlo_emit import emit_stablehlo
 
@@ -61,6 +61,9 @@ class StablehloSession(XlaSession):
         _write_atomic(blob, exe.serialize())
         return exe
 
+    def precompile(self, B: int, T: int, all_logits: bool = False) -> None:
+        self.executable(B, T, all_logits)
+
     def _device_step(self, ids, start, slots, last, all_logits: bool):
         import jax
 
@@ -79,12 +82,18 @@ class StablehloBackend(XlaBackend):
         (out / "stablehlo").mkdir()  # one module per step shape, emitted when first compiled
 
     def finish(self, out: Path) -> None:
-        warm_up(self.load(out, rows=1))
+        # The modules are compiled from the graph alone: no weights are loaded at compile time.
+        session = StablehloSession(out, read_graph(out), [], read_info(out), 1, self.name, jax_device(None))
+        for B, T in warm_up_shapes(session.cache_len):
+            session.precompile(B, T)
 
     def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
         import_jax()
         graph = read_graph(artifact)
         host = load_prepared_weights(artifact / WEIGHTS_FILE, "cpu")
         dev = jax_device(device)
-        weights = [to_jax(w, dev) for w in flat_weights(graph, host)]
+        weights = []
+        for (full, _, _), w in zip(graph.all_params(), flat_weights(graph, host)):
+            weights.append(to_jax(w, dev))
+            host.release(full)  # XLA holds its own copy now
         return StablehloSession(artifact, graph, weights, read_info(artifact), rows, self.name, dev)

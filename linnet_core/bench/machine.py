@@ -25,26 +25,33 @@ def nominal_bandwidth(gpu_name: str) -> float | None:
     return next((bw for key, bw in NOMINAL_BANDWIDTH if key in gpu_name), None)
 
 
-def stream_bandwidth(device: str, mib: int = 1024, repeats: int = 8) -> float:
-    """Bytes/s the device reads from its memory: a reduction over a buffer far larger than any cache
-    (on a GPU, a device-to-device copy, counted as read + write). Best of `repeats`."""
+def stream_bandwidth(device: str, mib: int = 1024, repeats: int = 10, threads: int | None = None) -> float:
+    """Bytes/s the device reads from its memory, STREAM-style: a reduction over a buffer far larger
+    than any cache, on `threads` threads (default: torch's, which every side is given), best of
+    `repeats` (on a GPU, a device-to-device copy, counted as read + write)."""
     import torch
 
-    a = torch.rand(mib * 1024 * 1024 // 4, device=device)
-    b = torch.empty_like(a) if device == "cuda" else None
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        a = torch.rand(mib * 1024 * 1024 // 4, device=device)
+        b = torch.empty_like(a) if device == "cuda" else None
 
-    def once() -> float:
-        t = time.perf_counter()
-        if device == "cuda":
-            b.copy_(a)
-            torch.cuda.synchronize()
-        else:
-            a.sum()
-        return time.perf_counter() - t
+        def once() -> float:
+            t = time.perf_counter()
+            if device == "cuda":
+                b.copy_(a)
+                torch.cuda.synchronize()
+            else:
+                a.sum()
+            return time.perf_counter() - t
 
-    once()
-    best = min(once() for _ in range(repeats))
-    return a.nbytes * (2 if device == "cuda" else 1) / best
+        once()
+        best = min(once() for _ in range(repeats))
+        return a.nbytes * (2 if device == "cuda" else 1) / best
+    finally:
+        torch.set_num_threads(previous)
 
 
 def decode_bytes_per_step(spec: ModelSpec, dtype_bytes: int, mean_position: float, batch: int) -> float:

@@ -62,7 +62,9 @@ def ratio(r: dict) -> str:
 
 
 def roofline(r: dict) -> str:
-    return "–" if r["roofline"] is None else f"{r['roofline']:.0%}"
+    if r["roofline"] is None:
+        return "–"
+    return f"{r['roofline']:.0%}" + ("*" if r.get("roofline_under_read") else "")
 
 
 def load_note(r: dict) -> str:
@@ -92,6 +94,9 @@ def roofline_line(result: BenchResult) -> str:
     line = (f"Roofline: memory bandwidth {result.bandwidth_bytes_s / 1e9:.1f} GB/s (measured); a decode step reads "
             f"{result.bytes_per_step / 1e6:,.0f} MB (weights and KV cache), so the ceiling is "
             f"{result.bandwidth_bytes_s / result.bytes_per_step * result.method.batch:,.1f} tok/s.")
+    if any(r.get("roofline_under_read") for r in result.rows()):
+        line += (" * Above 100%: the bandwidth probe read less than that side moved (the machine was busier "
+                 "while it ran), so the true ceiling is higher than printed.")
     nominal = result.env.get("gpu_nominal_bandwidth_bytes_s")
     if nominal:
         line += (f" On the datasheet's {nominal / 1e12:.2f} TB/s it is "

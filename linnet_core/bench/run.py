@@ -46,6 +46,7 @@ class Side:
     memory: dict | None = None
     distance: float | None = None
     extra: dict = field(default_factory=dict)  # what its worker needs beyond the model (an export's path)
+    bandwidth_probe: float | None = None  # --sequential: the probe just before its runs
     worker: object = field(default=None, repr=False)
 
     def median(self, key: str) -> float | None:
@@ -82,6 +83,7 @@ class BenchResult:
         for s in self.sides:
             tok, ttft = s.median("decode_tok_s"), s.median("ttft_s")
             achieved = tok / self.method.batch * self.bytes_per_step if tok else None
+            fraction = achieved / self.bandwidth_bytes_s if achieved else None
             out.append({
                 "key": s.subject.key, "label": s.subject.label, "stack": s.subject.stack,
                 "linnet": s.subject.is_linnet, "status": s.status, "reason": s.reason,
@@ -93,7 +95,10 @@ class BenchResult:
                 "decode_speedup": tok / base_tok if tok and base_tok else None,
                 "ttft_speedup": base_ttft / ttft if ttft and base_ttft else None,
                 "achieved_bytes_s": achieved,
-                "roofline": achieved / self.bandwidth_bytes_s if achieved else None,
+                "roofline": fraction,
+                # Above 100% the probe read less than the side itself moved: the probe under-read.
+                "roofline_under_read": bool(fraction and fraction > 1.0),
+                "bandwidth_probe_bytes_s": s.bandwidth_probe,
                 "note": s.subject.note, "samples": s.samples,
             })
         return out
@@ -260,6 +265,10 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
                     side.fail(TIME_LIMIT_REASON)
                 else:
                     _start(side, m, dtype, method, device, workdir, reporter, deadline)
+            if sequential and group[0].worker is not None:  # the machine now, beside this side's runs
+                reporter.stage(f"measuring memory bandwidth beside {group[0].subject.label}")
+                group[0].bandwidth_probe = stream_bandwidth(device)
+                result.bandwidth_bytes_s = max(result.bandwidth_bytes_s, group[0].bandwidth_probe)
             _rounds(result, group, prompts, reporter, on_sample, deadline)
             _finish(result, group, prompts[0], workdir, reporter, deadline)
             for side in group:

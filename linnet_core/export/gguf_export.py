@@ -21,7 +21,7 @@ from ..errors import BackendUnavailable, InputError
 from ..ir.rope import inv_freq
 from ..models import GgufLayout, build_graph, gguf_layout
 from ..models.spec import ModelSpec
-from ..params import materialize
+from ..params import materialize, release_sources
 from ..tokenizer import read_chat_template
 from ..weights import Checkpoint
 from . import ExportResult, output_file, summarize
@@ -90,7 +90,8 @@ def _plan(spec: ModelSpec, layout: GgufLayout, ckpt: Checkpoint, dtype: str, ggu
         permute = layout.rope_interleaved and heads is not None
 
         def weight(p=p, layer=layer, heads=heads, permute=permute) -> torch.Tensor:
-            w = materialize(p, layer, ckpt, torch.float32)
+            w = materialize(p, layer, ckpt, torch.float32).clone()  # its own memory: the source can go
+            release_sources(p, layer, ckpt)
             return permute_for_interleaved_rope(w, heads) if permute else w
 
         qtype = Q.F32 if len(p.shape) == 1 else Q[dtype.upper()]

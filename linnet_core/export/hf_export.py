@@ -17,7 +17,7 @@ from ..compile import Model, open_model, pick_dtype
 from ..models import build_graph, hf_architecture
 from ..models.spec import ModelSpec
 from ..dtypes import torch_dtype
-from ..params import layout, materialize
+from ..params import layout, materialize, release_sources
 from ..units import parse_size
 from ..weights import Checkpoint, write_safetensors
 from . import ExportResult, copy_tokenizer, output_folder, summarize
@@ -120,6 +120,7 @@ def write_weights(model: Model, out: Path, dtype: str, max_shard_bytes: int) -> 
             for i in members:
                 p, layer = params[entries[i][0]]
                 yield materialize(p, layer, ckpt, torch_dtype(dtype))
+                release_sources(p, layer, ckpt)  # written: its pages need not stay resident
 
         write_safetensors(out / fname, tensors, produce(), metadata={"format": "pt"})
         for i in members:
