@@ -59,3 +59,28 @@ def run_reference(model, prompt: list[int], steps: int, feed: list[int] | None =
             rows.append(out.logits[0].float())
             tokens.append(int(rows[-1][-1].argmax()))
     return ReferenceRun(torch.cat(rows).numpy(), tokens)
+
+
+def reference_dtype(spec, dtype: str) -> str:
+    """The reference's dtype: float32 wherever the model fits in memory in float32 (it then holds
+    only the reference: backends and exports load after it is freed), else the run's own half
+    precision, so a 7B model in bfloat16 is checked on a 24 GiB machine."""
+    from .memory import GIB, available_bytes, weight_bytes
+
+    free = available_bytes()
+    if free is None or weight_bytes(spec, "float32") + GIB < free:
+        return "float32"
+    return "float16" if dtype in ("float16", "f16", "fp16") else "bfloat16"  # q8_0 and f32 exports too
+
+
+def reference_run(path: Path, prompt: list[int], steps: int, dtype: str = "float32",
+                  feed: list[int] | None = None) -> ReferenceRun:
+    """Load the reference, run it, and free it before returning: only the logits stay."""
+    import gc
+
+    model = load_reference(path, dtype)
+    try:
+        return run_reference(model, prompt, steps, feed)
+    finally:
+        del model
+        gc.collect()

@@ -8,7 +8,6 @@ the reference logits, since a rounding error is relative to the number rounded.
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ import numpy as np
 
 from .compile import Model, compile_model, load_model, open_model
 from .errors import CheckpointError, InputError
-from .reference import load_reference, run_reference
+from .reference import reference_dtype, reference_run, run_reference
 from .tokenizer import Tokenizer
 
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}  # times max(1, max |reference logit|)
@@ -36,6 +35,7 @@ class VerifyReport:
     top1_agreement: float
     tokens_match: bool
     passed: bool
+    reference_dtype: str  # float32 unless the model is too big for that here
     reference_tokens: list[int]
     backend_tokens: list[int]
     artifact: str
@@ -90,13 +90,8 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
         raise InputError(f"the prompt and {steps} steps need {need} positions; the cache has {compiled.cache_len}")
     # The reference first, then the backend: only the reference's logits are kept in between, so a
     # model as big as memory allows is never held twice.
-    if reference is None:
-        ref_model = load_reference(m.path)
-        ref = run_reference(ref_model, ids, steps)
-        del ref_model
-        gc.collect()
-    else:
-        ref = run_reference(reference, ids, steps)
+    ref_dtype = "float32" if reference is not None else reference_dtype(m.spec, compiled.dtype)
+    ref = run_reference(reference, ids, steps) if reference is not None else reference_run(m.path, ids, steps, ref_dtype)
     session, compiled = load_model(m, backend, dtype, cache_len, rows=1, **load_kw)
 
     got = [session.prefill(ids, logits="all")]
@@ -108,6 +103,6 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
     return VerifyReport(
         model=m.resolved.name, backend=compiled.backend, dtype=compiled.dtype, prompt_tokens=len(ids), steps=steps,
         distance=distance, tolerance=tolerance, top1_agreement=top1, tokens_match=tokens == ref.tokens,
-        passed=bool(distance <= tolerance), reference_tokens=ref.tokens, backend_tokens=tokens,
+        passed=bool(distance <= tolerance), reference_dtype=ref_dtype, reference_tokens=ref.tokens, backend_tokens=tokens,
         artifact=str(compiled.artifact), seconds=time.perf_counter() - t0,
     )

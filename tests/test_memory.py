@@ -138,3 +138,20 @@ def test_session_estimate_counts_weights_once_and_the_tied_head_per_layout(check
     spec = open_model(checkpoints["qwen3-headdim128"]).spec  # tied head
     once, twice = weight_bytes(spec, "float32", 1), weight_bytes(spec, "float32", 2)
     assert twice - once == spec.vocab_size * spec.hidden_size * 4
+
+
+def test_a_reference_too_big_for_float32_runs_in_the_checks_dtype(checkpoints, monkeypatch):
+    """verify holds one model at a time; when float32 would not fit, the reference runs in half precision."""
+    import linnet_core.memory as memory
+    from linnet_core.compile import open_model
+    from linnet_core.reference import reference_dtype
+    from linnet_core.verify import verify
+
+    path = checkpoints["llama-gqa-untied"]
+    spec = open_model(path).spec
+    assert reference_dtype(spec, "bfloat16") == "float32"  # a small model: float32, as always
+    monkeypatch.setattr(memory, "available_bytes", lambda: memory.weight_bytes(spec, "float32") + 2**29)
+    assert reference_dtype(spec, "bfloat16") == "bfloat16" and reference_dtype(spec, "f16") == "float16"
+    monkeypatch.setenv("LINNET_MEMORY_CHECK", "0")
+    r = verify(path, "torch", "bfloat16", steps=4)
+    assert r.reference_dtype == "bfloat16" and r.passed, r

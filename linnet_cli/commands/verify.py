@@ -43,7 +43,8 @@ def verify_command(
         f"{verdict} {r.backend} {r.dtype}: distance from reference {r.distance:.3g} "
         f"(tolerance {r.tolerance:.3g}) · top-1 agreement {r.top1_agreement:.1%} · "
         f"greedy tokens {'identical' if r.tokens_match else 'differ'} · "
-        f"{r.prompt_tokens} prompt tokens + {r.steps} steps",
+        f"{r.prompt_tokens} prompt tokens + {r.steps} steps"
+        + (f" · reference in {r.reference_dtype} (float32 does not fit here)" if r.reference_dtype != "float32" else ""),
         r.to_json(),
     )
     if not r.passed:

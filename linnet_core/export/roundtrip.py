@@ -23,7 +23,7 @@ import numpy as np
 from ..compile import Model
 from ..dtypes import normalize_dtype
 from ..errors import BackendUnavailable, CheckpointError, InputError, VerifyFailed
-from ..reference import load_reference, quiet_transformers, run_reference
+from ..reference import quiet_transformers, reference_dtype, reference_run, run_reference
 from ..tokenizer import Tokenizer
 from ..verify import compare_logits, prompt_ids
 from .gguf_read import read_gguf
@@ -107,8 +107,9 @@ def _hf_tokenizers_match(source: Path, export: Path, **export_kw) -> bool | None
 def check_hf(model: Model, folder: Path, dtype: str) -> RoundTrip:
     """The exported folder in transformers (loaded in float32: the distance is the export's own)."""
     ids = prompt_ids(model, None)
-    ref = run_reference(load_reference(model.path), ids, HF_STEPS)
-    got = run_reference(load_reference(folder), ids, HF_STEPS, feed=ref.tokens)
+    ref_dtype = reference_dtype(model.spec, dtype)  # float32 unless too big: then both sides in `dtype`
+    ref = reference_run(model.path, ids, HF_STEPS, ref_dtype)
+    got = reference_run(folder, ids, HF_STEPS, ref_dtype, feed=ref.tokens)
     match = _hf_tokenizers_match(model.path, folder)
     return _judge("hf", f"transformers {_version('transformers')}", dtype, ids, ref, got.logits, HF_STEPS, match)
 
@@ -153,7 +154,7 @@ def check_gguf(model: Model, file: Path, dtype: str, consumer: str | None = None
     ids = prompt_ids(model, None)
     steps = max(1, min(GGUF_STEPS, context // 2))
     ids = ids[:max(1, context - steps)]
-    ref = run_reference(load_reference(model.path), ids, steps)
+    ref = reference_run(model.path, ids, steps, reference_dtype(model.spec, dtype))
     if consumer == "llama.cpp":
         logits, match = _run_llamacpp(model, file, ids, ref.tokens[:steps])
         name = f"llama.cpp (llama-cpp-python {_version('llama-cpp-python')})"
