@@ -35,6 +35,10 @@ class Model:
     def path(self) -> Path:
         return self.resolved.path
 
+    @property
+    def checkpoint_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
 
 @dataclass(frozen=True)
 class Compiled:
@@ -107,7 +111,8 @@ def compile_model(model: str | Path | Model | None, backend: str = "torch", dtyp
     cache = cache or ArtifactCache()
 
     def build(out: Path) -> None:
-        check_fits(m.spec, be, dt, n, 1, be.default_device())  # the build's warm-up loads a session
+        if be.loads_at_compile:  # its warm-up runs a session: refuse now, from the sizes, if it cannot fit
+            check_fits(m.spec, be, dt, n, 1, be.default_device())
         if progress:
             progress(f"compiling {key.model} for {be.name} ({dt}, cache {n}); later runs load it from the cache")
         ckpt = Checkpoint(m.files)

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .backends import get_backend
 from .compile import Model, compile_model, load_model, open_model
 from .errors import CheckpointError, InputError
+from .memory import check_fits
 from .reference import reference_dtype, reference_run, run_reference
 from .tokenizer import Tokenizer
 
@@ -88,9 +90,11 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
                              **{k: v for k, v in load_kw.items() if k in ("cache", "progress")})
     if need > compiled.cache_len:
         raise InputError(f"the prompt and {steps} steps need {need} positions; the cache has {compiled.cache_len}")
+    be = get_backend(compiled.backend)  # refused now, from the sizes, rather than after the reference ran
+    check_fits(m.spec, be, compiled.dtype, compiled.cache_len, 1, load_kw.get("device") or be.default_device())
     # The reference first, then the backend: only the reference's logits are kept in between, so a
     # model as big as memory allows is never held twice.
-    ref_dtype = "float32" if reference is not None else reference_dtype(m.spec, compiled.dtype)
+    ref_dtype = "float32" if reference is not None else reference_dtype(m.spec, compiled.dtype, m.checkpoint_bytes)
     ref = run_reference(reference, ids, steps) if reference is not None else reference_run(m.path, ids, steps, ref_dtype)
     session, compiled = load_model(m, backend, dtype, cache_len, rows=1, **load_kw)
 

@@ -33,6 +33,7 @@ class Backend(ABC):
     ragged: bool = False  # emits the ragged step (ir.ragged): every session step is one call
     artifact_format = "1"  # bump when the artifact's files or their meaning change
     copies_of_tied = 1  # how often its layout stores a tied output head
+    loads_at_compile = False  # whether `finish` runs a session (so a compile needs a session's memory)
 
     @abstractmethod
     def toolchain(self) -> dict[str, str]:

@@ -138,6 +138,7 @@ class InductorBackend(TorchBackend):
     ragged = False  # compiled per bucket of [B, T]: a mixed step runs as one call per chunk length
     artifact_format = "4"
     mode: str | None = None  # torch.compile mode
+    loads_at_compile = True  # inductor compiles by running the step (freezing needs the weights)
 
     def toolchain(self) -> dict[str, str]:
         return {**super().toolchain(), "backend": self.name, "format": self.artifact_format}

@@ -66,6 +66,7 @@ class TensorRTBackend(OnnxRuntimeBackend):
     title = "TensorRT"
     artifact_format = "2"
     ragged = False  # one optimisation profile over the fixed [B, T] inputs
+    loads_at_compile = True  # the engine is built by a first session
 
     def check_available(self, dtype: str) -> None:
         self.check_device("cuda")

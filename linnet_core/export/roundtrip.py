@@ -107,7 +107,7 @@ def _hf_tokenizers_match(source: Path, export: Path, **export_kw) -> bool | None
 def check_hf(model: Model, folder: Path, dtype: str) -> RoundTrip:
     """The exported folder in transformers (loaded in float32: the distance is the export's own)."""
     ids = prompt_ids(model, None)
-    ref_dtype = reference_dtype(model.spec, dtype)  # float32 unless too big: then both sides in `dtype`
+    ref_dtype = reference_dtype(model.spec, dtype, model.checkpoint_bytes)  # float32 unless too big: then both sides in `dtype`
     ref = reference_run(model.path, ids, HF_STEPS, ref_dtype)
     got = reference_run(folder, ids, HF_STEPS, ref_dtype, feed=ref.tokens)
     match = _hf_tokenizers_match(model.path, folder)
@@ -154,7 +154,7 @@ def check_gguf(model: Model, file: Path, dtype: str, consumer: str | None = None
     ids = prompt_ids(model, None)
     steps = max(1, min(GGUF_STEPS, context // 2))
     ids = ids[:max(1, context - steps)]
-    ref = reference_run(model.path, ids, steps, reference_dtype(model.spec, dtype))
+    ref = reference_run(model.path, ids, steps, reference_dtype(model.spec, dtype, model.checkpoint_bytes))
     if consumer == "llama.cpp":
         logits, match = _run_llamacpp(model, file, ids, ref.tokens[:steps])
         name = f"llama.cpp (llama-cpp-python {_version('llama-cpp-python')})"
