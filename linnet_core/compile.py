@@ -35,10 +35,6 @@ class Model:
     def path(self) -> Path:
         return self.resolved.path
 
-    @property
-    def checkpoint_bytes(self) -> int:
-        return sum(f.stat().st_size for f in self.files)
-
 
 @dataclass(frozen=True)
 class Compiled:

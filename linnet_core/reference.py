@@ -61,15 +61,16 @@ def run_reference(model, prompt: list[int], steps: int, feed: list[int] | None =
     return ReferenceRun(torch.cat(rows).numpy(), tokens)
 
 
-def reference_dtype(spec, dtype: str, checkpoint_bytes: int = 0) -> str:
+def reference_dtype(spec, dtype: str) -> str:
     """The reference's dtype: float32 wherever the model fits in memory in float32 (it then holds
     only the reference: backends and exports load after it is freed), else the run's own half
-    precision, so a 7B model in bfloat16 is checked on a 24 GiB machine. While transformers converts
-    a half-precision checkpoint to float32 it holds both (measured: 22.9 GiB for Qwen3-4B's 7.5)."""
+    precision, so a 7B model in bfloat16 is checked on a 24 GiB machine. (While converting a
+    half-precision checkpoint, the mapped file's pages count in its RSS too, 22.9 GiB for
+    Qwen3-4B; they are clean page cache the kernel reclaims, so only the float32 copy must fit.)"""
     from .memory import GIB, available_bytes, weight_bytes
 
     free = available_bytes()
-    if free is None or weight_bytes(spec, "float32") + checkpoint_bytes + GIB < free:
+    if free is None or weight_bytes(spec, "float32") + GIB < free:
         return "float32"
     return "float16" if dtype in ("float16", "f16", "fp16") else "bfloat16"  # q8_0 and f32 exports too
 

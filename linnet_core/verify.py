@@ -94,7 +94,7 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
     check_fits(m.spec, be, compiled.dtype, compiled.cache_len, 1, load_kw.get("device") or be.default_device())
     # The reference first, then the backend: only the reference's logits are kept in between, so a
     # model as big as memory allows is never held twice.
-    ref_dtype = "float32" if reference is not None else reference_dtype(m.spec, compiled.dtype, m.checkpoint_bytes)
+    ref_dtype = "float32" if reference is not None else reference_dtype(m.spec, compiled.dtype)
     ref = run_reference(reference, ids, steps) if reference is not None else reference_run(m.path, ids, steps, ref_dtype)
     session, compiled = load_model(m, backend, dtype, cache_len, rows=1, **load_kw)
 

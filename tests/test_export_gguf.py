@@ -230,3 +230,19 @@ def test_a_pad_id_is_written_when_the_checkpoint_has_none(tokenized_checkpoints,
     # The source itself is what transformers cannot load here: one line, not a traceback.
     assert_one_line_error(invoke("export", "gguf", src, tmp_path / "n.gguf", "--check-with", "transformers"), 1,
                           "cannot load")
+
+
+def test_lossy_agreement_counts_only_positions_the_reference_decides():
+    """Near-ties in the reference (random weights have many) cannot fail a lossy export's check."""
+    import numpy as np
+
+    from linnet_core.export.roundtrip import decisive_agreement
+
+    ref = np.array([[5.0, 0.0, 0.0], [1.0, 1.001, 0.0], [0.0, 0.0, 4.0]])  # the middle row is a tie
+    got = np.array([[4.9, 0.1, 0.0], [1.01, 1.0, 0.0], [0.0, 0.1, 3.9]])  # disagrees only on the tie
+    assert decisive_agreement(got, ref, "bfloat16") == 1.0
+    wrong = got.copy()
+    wrong[0] = [0.0, 5.0, 0.0]  # a decisive position lost
+    assert decisive_agreement(wrong, ref, "bfloat16") == 0.5
+    flat = np.zeros((2, 3))
+    assert decisive_agreement(flat, flat, "bfloat16") == 1.0  # nothing stands out: all positions count
