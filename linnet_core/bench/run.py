@@ -25,7 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from ..compile import Model, compile_model, open_model, pick_dtype
+from ..backends import get_backend
 from ..errors import CacheError, LinnetError
+from ..memory import check_fits
 from .machine import decode_bytes_per_step, environment, stream_bandwidth
 from .subjects import BASELINE, Method, Subject, why_missing
 
@@ -234,7 +236,7 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
     workdir.mkdir(parents=True, exist_ok=True)
     sides = [Side(s) for s in subjects]
     for side in sides:
-        why = why_missing(side.subject, dtype, method.batch, device)
+        why = why_missing(side.subject, dtype, method.batch, device) or _too_big(side.subject, m, dtype, method, device)
         if why:
             side.status, side.reason = "missing", why
     rng = np.random.default_rng(method.seed)
@@ -291,6 +293,17 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
     if not result.interrupted and not result.time_limited:
         result.bandwidth_bytes_s = max(result.bandwidth_bytes_s, stream_bandwidth(device))
     return result
+
+
+def _too_big(subject: Subject, m: Model, dtype: str, method: Method, device: str) -> str | None:
+    """Why a Linnet side cannot fit in this machine's memory, from the sizes (before minutes of compiling)."""
+    if not subject.is_linnet:
+        return None
+    try:
+        check_fits(m.spec, get_backend(subject.backend), dtype, method.positions, method.batch, device)
+    except LinnetError as e:
+        return e.message
+    return None
 
 
 def _start(side: Side, m: Model, dtype: str, method: Method, device: str, workdir: Path, reporter: Reporter,
