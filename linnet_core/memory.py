@@ -17,6 +17,7 @@ from .models.spec import ModelSpec
 
 GIB = 2**30
 RUNTIME_BYTES = GIB // 2  # interpreter, libraries and scratch buffers, measured on the 191M model
+HEADROOM = 0.95  # of MemAvailable: what else runs meanwhile, and the estimate's own error
 
 
 def weight_bytes(spec: ModelSpec, dtype: str, copies_of_tied: int = 1) -> int:
@@ -66,7 +67,7 @@ def check_fits(spec: ModelSpec, backend, dtype: str, cache_len: int, rows: int, 
         return
     copies = backend.weight_copies(dtype, device)
     need = session_bytes(spec, dtype, cache_len, rows, copies, backend.copies_of_tied)
-    if need > free:
+    if need > free * HEADROOM:
         weights = weight_bytes(spec, dtype, backend.copies_of_tied) * copies
         raise BackendUnavailable(
             f"{backend.title} in {dtype} needs about {need / GIB:.1f} GiB here ({weights / GIB:.1f} GiB of weights, "
