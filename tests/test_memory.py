@@ -106,7 +106,10 @@ def test_compile_streams_and_a_session_holds_each_weight_once(model_280m, backen
     assert built["peak"] - built["start"] <= largest * 4 + GIB, (built, largest)
     loaded = probe("load", model_280m, backend, dtype, cache)
     kv = kv_cache_bytes(open_model(model_280m).spec, dtype, CACHE_LEN, 1)
-    bound = 1.15 * weights + kv + GIB / 2
+    # The bound allows 0.5 GiB of runtime; JAX's (jaxlib beside torch) is ~0.45 GiB before any
+    # weight, and its float32 session lands within a megabyte of that bound: 0.6 GiB for the XLA two.
+    runtime = 0.6 * GIB if backend in ("jax", "stablehlo") else GIB / 2
+    bound = 1.15 * weights + kv + runtime
     assert loaded["peak"] <= bound, f"peak {loaded['peak'] / GIB:.2f} GiB > {bound / GIB:.2f} GiB"
 
 
