@@ -1,7 +1,7 @@
 """Whether a session fits in this machine's memory, judged from the sizes before anything loads.
 
 A session holds its prepared weights (each once: loaders release the mapped originals of what they
-copy or pack), its KV cache, and about half a GiB of runtime. Where that exceeds what the kernel
+copy or pack), its KV cache, and about half a GiB of runtime. Where that exceeds 95% of what the kernel
 says it can still give (MemAvailable), the load is refused in one line naming the sizes, instead of
 the process being killed half way. LINNET_MEMORY_CHECK=0 skips the check.
 """
