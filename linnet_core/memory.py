@@ -40,16 +40,21 @@ def kv_cache_bytes(spec: ModelSpec, dtype: str, cache_len: int, rows: int) -> in
     return FORMATS[dtype].nbytes(spec.num_layers * 2 * rows * spec.num_kv_heads * cache_len * spec.head_dim)
 
 
-def available_bytes() -> int | None:
-    """What the kernel can still give without swapping (MemAvailable), None where unknown."""
+def proc_kib(path: str, field: str) -> int | None:
+    """A `Field:   N kB` line of a /proc file, in bytes; None where /proc or the field is not there."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
+
+
+def available_bytes() -> int | None:
+    """What the kernel can still give without swapping (MemAvailable), None where unknown."""
+    return proc_kib("/proc/meminfo", "MemAvailable")
 
 
 def session_bytes(spec: ModelSpec, dtype: str, cache_len: int, rows: int, weight_copies: float,

@@ -4,6 +4,7 @@ limit, and the GPU pass itself as a dry run on this CPU."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -115,15 +116,9 @@ def test_backends_say_what_they_lack_for_cuda(monkeypatch):
     assert get_backend("onnxruntime").providers("cpu") == ["CPUExecutionProvider"]
     from linnet_core.backends import jax_backend
 
-    if importlib_find("jax") and not jax_backend.has_cuda_plugin():
+    if importlib.util.find_spec("jax") and not jax_backend.has_cuda_plugin():
         with pytest.raises(BackendUnavailable, match="no CUDA plugin"):
             get_backend("stablehlo").check_device("cuda")
-
-
-def importlib_find(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
 
 
 def test_unknown_device_is_refused():

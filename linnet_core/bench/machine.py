@@ -73,14 +73,9 @@ def decode_bytes_per_step(spec: ModelSpec, dtype_bytes: int, mean_position: floa
 def peak_rss(pid: int | str = "self") -> int | None:
     """A process's own high-water RSS (VmHWM), None where /proc is not there. Not getrusage's
     ru_maxrss: Linux carries a parent's peak across fork and exec into its children."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    from ..memory import proc_kib
+
+    return proc_kib(f"/proc/{pid}/status", "VmHWM")
 
 
 def tree_peak_rss(pid: int) -> int | None:
