@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,15 +98,25 @@ def plan_shards(shapes: dict[str, tuple[int, ...]], shard_bytes: int, elem_bytes
     return shards
 
 
+ROWS_PER_DRAW = 256  # rows drawn from one generator: the draws run on every core, the bytes stay fixed
+
+
 def random_tensor(name: str, shape: tuple[int, ...]):
-    """Normal(0, 0.02) matrices, ones for norms, zeros for biases; seeded by the name, so a
-    checkpoint is the same bytes however it is sharded."""
+    """Normal(0, 0.02) matrices, ones for norms, zeros for biases; seeded by the name and row block,
+    so a checkpoint is the same bytes however it is sharded and on however many cores it is drawn."""
     import torch
 
     if len(shape) == 1:
         return (torch.ones if "norm" in name else torch.zeros)(shape, dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    return torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=g)
+    out = torch.empty(shape, dtype=torch.bfloat16)
+
+    def draw(start: int) -> None:  # a seeded generator draws serially; torch frees the GIL meanwhile
+        g = torch.Generator().manual_seed(zlib.crc32(f"{name}:{start}".encode()))
+        out[start:start + ROWS_PER_DRAW].normal_(0.0, 0.02, generator=g)
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(draw, range(0, shape[0], ROWS_PER_DRAW)))
+    return out
 
 
 def write_seed(name: str, out: Path, tiny: bool = False, shard_gb: float = 2.0) -> Path:
@@ -116,7 +129,9 @@ def write_random_checkpoint(config, out: Path, tokenizer: str | None = None, sha
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
-    out.mkdir(parents=True, exist_ok=True)
+    final, out = out, out.with_name(out.name + ".partial")  # renamed when complete: never half-written
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     shapes = tensor_shapes(config)
     shards = plan_shards(shapes, int(shard_gb * 2**30))
     weight_map, total = {}, 0
@@ -136,7 +151,9 @@ def write_random_checkpoint(config, out: Path, tokenizer: str | None = None, sha
         from tokenizer_fixtures import write_tokenizer
 
         write_tokenizer(out, tokenizer, config.vocab_size)  # sets the config's bos/eos ids to the tokenizer's
-    return out
+    shutil.rmtree(final, ignore_errors=True)
+    out.rename(final)
+    return final
 
 
 def main() -> None:

@@ -52,6 +52,7 @@ class Plan:
     compare: list[str]  # bench comparators besides transformers eager
     budget_s: float
     shares: dict[str, float]  # seconds per step; the bench gets what is left
+    parallel: int  # verify processes at a time
     seed: str = "qwen3-4b"
     dtype: str = "bfloat16"  # the bench's
 
@@ -64,13 +65,13 @@ GPU = Plan(device="cuda", backends=["torch", "inductor", "cudagraphs", "jax", "s
            cases=["llama-gqa-untied", "mistral-window", "qwen2-bias-tied", "qwen3-headdim128", "phi3-fused-window"],
            dtypes=["bfloat16", "float16"], tiny=False, prompt_tokens=512, new_tokens=128, runs=3, warmups=1,
            compare=["transformers-compiled"], budget_s=480,
-           shares={"install": 45, "doctor": 30, "fixtures": 30, "tests": 90, "verify": 105})
+           shares={"install": 45, "doctor": 30, "fixtures": 30, "tests": 90, "verify": 105}, parallel=12)
 # CPU backends that compile in seconds on 2 cores, plus the two GPU-only ones (which must report
 # themselves missing); inductor is left to the test suite, where it takes minutes here.
 DRY = Plan(device="cpu", backends=["torch", "jax", "stablehlo", "onnxruntime", "cudagraphs", "tensorrt"],
            cases=["qwen3-headdim128"], dtypes=["bfloat16", "float16"], tiny=True, prompt_tokens=32, new_tokens=8,
            runs=2, warmups=1, compare=[], budget_s=420,
-           shares={"install": 90, "doctor": 30, "fixtures": 30, "tests": 90, "verify": 90})
+           shares={"install": 90, "doctor": 30, "fixtures": 30, "tests": 90, "verify": 90}, parallel=6)
 
 
 @dataclass
@@ -213,31 +214,36 @@ def fixtures(p: Pass) -> StepResult:
 
 
 def verify_all(p: Pass) -> tuple[StepResult, list[dict]]:
-    """One process per backend, all at once; each writes a JSON line per (case, dtype) as it goes."""
+    """One process per (backend, fixture), `plan.parallel` at a time; each writes a JSON line per dtype
+    as it goes, so a step cut short still reports what finished."""
     timeout = p.box("verify")
+    jobs = [(b, case) for b in p.plan.backends for case in p.plan.cases]
     p.say(f"verify: {len(p.plan.backends)} backends x {len(p.plan.cases)} fixtures x {len(p.plan.dtypes)} dtypes "
-          f"on {p.plan.device}, in parallel (at most {timeout:.0f} s)")
+          f"on {p.plan.device}, {p.plan.parallel} processes at a time (at most {timeout:.0f} s)")
     t0 = time.monotonic()
-    procs = {}
-    for b in p.plan.backends:
-        lines = p.work / f"verify-{b}.jsonl"
-        lines.unlink(missing_ok=True)
-        procs[b] = (p.start([sys.executable, str(Path(__file__)), "verify-worker", "--backend", b,
-                             "--device", p.plan.device, "--dtypes", ",".join(p.plan.dtypes),
-                             "--fixtures", str(p.work / "fixtures"), "--cases", ",".join(p.plan.cases),
-                             "--out", str(lines)]), lines)
-    records, late = [], []
-    for b, (proc, lines) in procs.items():
-        rc = wait(proc, timeout - (time.monotonic() - t0))
-        got = read_jsonl(lines)
-        done = {(r["case"], r["dtype"]) for r in got}
-        for case in p.plan.cases:
-            for dtype in p.plan.dtypes:
-                if (case, dtype) not in done:
-                    why = "the verify step's time box ran out first" if rc is None else f"its worker exited ({rc})"
-                    got.append({"backend": b, "case": case, "dtype": dtype, "status": "not run", "reason": why})
-        if rc is None:
-            late.append(b)
+    lines = {job: p.work / f"verify-{job[0]}-{job[1]}.jsonl" for job in jobs}
+    waiting, running, ended = list(jobs), {}, {}
+    while (waiting or running) and time.monotonic() - t0 < timeout:
+        while waiting and len(running) < p.plan.parallel:
+            b, case = job = waiting.pop(0)
+            lines[job].unlink(missing_ok=True)
+            running[job] = p.start([sys.executable, str(Path(__file__)), "verify-worker", "--backend", b,
+                                    "--device", p.plan.device, "--dtypes", ",".join(p.plan.dtypes),
+                                    "--fixtures", str(p.work / "fixtures"), "--cases", case, "--out", str(lines[job])])
+        for job, proc in list(running.items()):
+            if proc.poll() is not None:
+                ended[job] = running.pop(job).returncode
+        time.sleep(0.2)
+    for job, proc in running.items():
+        stop(proc)
+    records, late = [], sorted({b for b, _ in [*running, *waiting]}, key=p.plan.backends.index)
+    for job in jobs:
+        b, case = job
+        got = read_jsonl(lines[job])
+        done = {r["dtype"] for r in got}
+        why = (f"its worker exited ({ended[job]})" if job in ended else "the verify step's time box ran out first")
+        got += [{"backend": b, "case": case, "dtype": d, "status": "not run", "reason": why}
+                for d in p.plan.dtypes if d not in done]
         records += got
     (p.out / "verify.json").write_text(json.dumps(records, indent=2) + "\n")
     bad = [r for r in records if r["status"] in ("failed", "error")]
@@ -269,9 +275,14 @@ class Preparation:
         self.procs: dict[str, subprocess.Popen] = {}
         self.lock, self.abandoned = threading.Lock(), False
         cmd = [sys.executable, str(ROOT / "bench" / "make_seed_models.py"), p.plan.seed, str(self.model)]
-        self.seed = p.start(cmd + (["--tiny"] if p.plan.tiny else []))
+        if (self.model / "config.json").is_file():  # a rerun on the same machine: the seed is written whole or not at all
+            cmd = [sys.executable, "-c", ""]
+            p.say(f"background: reusing the seed model in {self.model}")
+        else:
+            cmd += ["--tiny"] if p.plan.tiny else []
+            p.say(f"background: writing the {p.plan.seed} seed model{' (tiny)' if p.plan.tiny else ''} into {self.model}")
+        self.seed = p.start(cmd)
         self.seed_rc: int | None = None
-        p.say(f"background: writing the {p.plan.seed} seed model{' (tiny)' if p.plan.tiny else ''} into {self.model}")
         self.thread = threading.Thread(target=self._compile_when_written, daemon=True)
         self.thread.start()
 

@@ -206,3 +206,19 @@ def test_sequential_probes_beside_each_side_and_flags_an_under_read(checkpoints,
     assert all(r["bandwidth_probe_bytes_s"] == 1e3 for r in rows.values())
     assert rows["linnet:torch"]["roofline_under_read"] and roofline(rows["linnet:torch"]).endswith("%*")
     assert "probe read less than that side moved" in markdown(result)
+
+
+def test_a_failed_side_is_reported_by_its_exception_not_a_later_warning(tmp_path):
+    """The first GPU pass reported transformers-compiled as '... [__cudagraphs] )', a warning printed
+    after the traceback that said why."""
+    from linnet_core.bench.run import Worker
+
+    log = tmp_path / "side.log"
+    log.write_text("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+                   "torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised: out of memory\n\n"
+                   "W1130 21:40:56.999000 16069 torch/_inductor/cudagraph_utils.py:207] [__cudagraphs] \n")
+    worker = object.__new__(Worker)  # tail() reads the log alone
+    worker.log = log
+    assert worker.tail().startswith("torch._dynamo.exc.BackendCompilerFailed: backend='inductor'")
+    log.write_text("a plain last line\n")
+    assert worker.tail() == "a plain last line"

@@ -105,3 +105,22 @@ def test_cuda_session_matches_transformers(case, dtype, checkpoints, reference):
     assert r.passed, r
     if dtype == "float32":
         assert r.tokens_match
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["jax", "stablehlo"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", ["llama-gqa-untied", "phi3-fused-window"])
+def test_xla_cuda_matches_transformers(backend, case, dtype, checkpoints, reference, request):
+    """XLA's CUDA client. The first GPU pass found both XLA backends in bf16 on phi3-fused-window at
+    0.311 against a tolerance of 0.259, tokens all matching (torch on CUDA 0.217; JAX on the CPU 0.187,
+    and 0.217, torch's figure to the bit, with XLA rounding every op): open, see docs/gpu.md."""
+    if case == "phi3-fused-window" and dtype == "bfloat16":
+        request.applymarker(pytest.mark.xfail(reason="XLA CUDA bf16 past the tolerance (first GPU pass)"))
+    pytest.importorskip("jax")
+    import jax
+
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("this JAX has no CUDA plugin")
+    r = verify(checkpoints[case], backend, dtype, steps=STEPS, reference=reference(case), device="cuda")
+    assert r.passed, r

@@ -44,7 +44,8 @@ def bench_command(
                              "per side); default: all loaded, runs interleaved.")] = False,
     time_limit: Annotated[Optional[float], typer.Option(
         "--time-limit", min=1, help="Seconds: stop near this, keeping what was measured (a side not reached "
-                                    "is listed as such); default: none.", show_default=False)] = None,
+                                    "is listed as such); measures one side at a time, the reference and "
+                                    "Linnet's first; default: none.", show_default=False)] = None,
     html: Annotated[Optional[Path], typer.Option("--html", help="Write the page (one self-contained HTML file).",
                                                  show_default=False)] = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the table as Markdown.")] = False,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import selectors
 import shutil
 import statistics
@@ -131,6 +132,7 @@ class Deadline:
 
 
 TIME_LIMIT_REASON = "not measured: --time-limit ran out before its turn"
+EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*[a-z]\w*(?::|$)")  # a traceback's last line: pkg.Name: why
 FINISH_FLOOR_S = 30.0  # peak memory and logits are still asked for after the limit, this long
 
 
@@ -174,8 +176,11 @@ class Worker:
         return self.read(timeout)
 
     def tail(self) -> str:
+        """Why the worker ended: the exception its traceback ended with, else its last line of output
+        (warnings printed after the error are skipped)."""
         lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
-        return lines[-1][:300] if lines else f"exit code {self.proc.poll()}"
+        raised = [ln for ln in lines if EXCEPTION_LINE.match(ln)]
+        return (raised or lines)[-1][:300] if lines else f"exit code {self.proc.poll()}"
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -259,15 +264,18 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
         result.bandwidth_bytes_s = stream_bandwidth(device)
         ready = [s for s in sides if s.status == "ok"]
         reporter.total((method.warmups + method.runs) * len(ready))
-        # Interleaved: every side loaded at once, each round visits all. Sequential: one side at a
-        # time (for models too big to hold once per side), the reference first.
-        for group in ([ready] if not sequential else [[s] for s in ready]):
+        # Interleaved: every side loaded at once, each round visits all. One side at a time (for models
+        # too big to hold once per side, and under --time-limit, so that each side that gets its turn
+        # has figures): the reference first, then Linnet's sides, then the other comparators.
+        one_at_a_time = sequential or time_limit is not None
+        ready.sort(key=lambda s: (s.subject.key != BASELINE, not s.subject.is_linnet))
+        for group in ([[s] for s in ready] if one_at_a_time else [ready]):
             for side in group:
                 if deadline.hit():
                     side.fail(TIME_LIMIT_REASON)
                 else:
                     _start(side, m, dtype, method, device, workdir, reporter, deadline)
-            if sequential and group[0].worker is not None:  # the machine now, beside this side's runs
+            if one_at_a_time and group[0].worker is not None:  # the machine now, beside this side's runs
                 reporter.stage(f"measuring memory bandwidth beside {group[0].subject.label}")
                 group[0].bandwidth_probe = stream_bandwidth(device)
                 result.bandwidth_bytes_s = max(result.bandwidth_bytes_s, group[0].bandwidth_probe)
