@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import bf16_gemv
+
 
 @functools.lru_cache(maxsize=None)
 def packing_works(dtype: torch.dtype) -> bool:
@@ -67,7 +69,7 @@ def packed_linear(x: torch.Tensor, handle: int, out_features: int, bias: Optiona
     Handles are positions in the session's weights, the same in every process, so compiled code
     cached on disk stays valid.
     """
-    return torch.ops.mkldnn._linear_pointwise(x, _active.kernels[handle].packed, bias, "none", [], "")
+    return _active.kernels[handle].eager(x, bias)
 
 
 @packed_linear.register_fake
@@ -75,33 +77,68 @@ def _(x, handle, out_features, bias=None):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-class PackedLinear:
-    """A linear weight packed for this CPU; the generated `linear` calls it instead of F.linear."""
+class CpuLinear:
+    """A linear weight with a CPU kernel of its own; the generated `linear` calls it instead of F.linear."""
 
     def __init__(self, weight: torch.Tensor, handle: int):
-        self.packed = pack(weight)
         self.out_features = weight.shape[0]
         self.handle = handle
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():  # traced: one opaque op for the compiler
             return torch.ops.linnet.packed_linear(x, self.handle, self.out_features, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")  # eager: no dispatch detour
+        return self.eager(x, bias)  # eager: no dispatch detour
+
+    def eager(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
 
 
-def pack_linear_weights(weights: dict, names: dict[str, list[str]]) -> list[PackedLinear]:
-    """Replace, in place, the weights that feed linear ops by PackedLinear kernels; returns them
-    in handle order (empty where packing does not run here)."""
+class PackedLinear(CpuLinear):
+    """The weight reordered once for oneDNN (a copy, the mapped original released)."""
+
+    def __init__(self, weight: torch.Tensor, handle: int):
+        super().__init__(weight, handle)
+        self.packed = pack(weight)
+
+    def eager(self, x, bias):
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+class DecodeLinear(CpuLinear):
+    """A bfloat16 weight kept as mapped (no copy): Linnet's own kernel for decode's one or two rows,
+    F.linear for prefill."""
+
+    def __init__(self, weight: torch.Tensor, handle: int):
+        super().__init__(weight, handle)
+        self.weight = weight
+
+    def eager(self, x, bias):
+        return bf16_gemv.decode_linear(x, self.weight, bias)
+
+
+def linear_kernel(dtype: torch.dtype) -> type[CpuLinear] | None:
+    """The kernel class for linear weights of `dtype` on this CPU: Linnet's own bf16 GEMV where
+    it builds and runs, else oneDNN's packed weights where they run, else none (F.linear)."""
+    if dtype == torch.bfloat16 and bf16_gemv.kernel() is not None:
+        return DecodeLinear
+    return PackedLinear if packing_works(dtype) else None
+
+
+def pack_linear_weights(weights: dict, names: dict[str, list[str]]) -> list[CpuLinear]:
+    """Replace, in place, the weights that feed linear ops by CPU kernels; returns them in handle
+    order (empty where no kernel runs here)."""
     sample = next(iter(weights["global"].values()))
-    if sample.device.type != "cpu" or not packing_works(sample.dtype):
+    kind = linear_kernel(sample.dtype) if sample.device.type == "cpu" else None
+    if kind is None:
         return []
-    kernels: list[PackedLinear] = []
+    kernels: list[CpuLinear] = []
     release = getattr(weights, "release", lambda name: None)  # the mapped original, once packed
     groups = [(weights["global"], names["global"], "")]
     groups += [(layer, names["block"], f"blk.{i}.") for i, layer in enumerate(weights["layers"])]
     for group, linear_names, prefix in groups:
         for name in linear_names:
-            group[name] = PackedLinear(group[name], len(kernels))
+            group[name] = kind(group[name], len(kernels))
             kernels.append(group[name])
-            release(prefix + name)
+            if kind is PackedLinear:
+                release(prefix + name)
     return kernels
