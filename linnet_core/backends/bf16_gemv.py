@@ -53,7 +53,8 @@ def kernel():
                 _why_not = "it disagreed with F.linear"
                 return None
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: oneDNN serves instead
-        _why_not = f"it could not be built ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''})"
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        _why_not = f"it could not be built ({type(e).__name__}: {last})"
         return None
     return fn
 
@@ -72,8 +73,9 @@ def _key() -> str:
 def build_dir() -> Path:
     """Per machine, not per artifact cache (a build serves every cache): $LINNET_KERNELS, else
     ~/.cache/linnet/kernels (XDG_CACHE_HOME honoured)."""
-    root = os.environ.get("LINNET_KERNELS") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "linnet" / "kernels"
-    return Path(root) / f"gemv_bf16-{_key()}"
+    user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    root = Path(os.environ.get("LINNET_KERNELS") or user_cache / "linnet" / "kernels")
+    return root / f"gemv_bf16-{_key()}"
 
 
 def _build():

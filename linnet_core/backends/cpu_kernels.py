@@ -62,10 +62,11 @@ def active(kernels: list["PackedLinear"]):
 
 @torch.library.custom_op("linnet::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, handle: int, out_features: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x @ W.T (+ bias) through oneDNN, W being kernel number `handle` of the running session.
+    """x @ W.T (+ bias) through the CPU kernel number `handle` of the running session (oneDNN's
+    packed weights, or Linnet's bf16 GEMV).
 
     A custom op, so torch.compile sees one opaque call (shape from the fake below) and keeps the
-    packed kernel, where its own freezing pass would pick MKL's slower packed GEMM for float32.
+    kernel, where its own freezing pass would pick MKL's slower packed GEMM for float32.
     Handles are positions in the session's weights, the same in every process, so compiled code
     cached on disk stays valid.
     """
@@ -132,7 +133,7 @@ def pack_linear_weights(weights: dict, names: dict[str, list[str]]) -> list[CpuL
     if kind is None:
         return []
     kernels: list[CpuLinear] = []
-    release = getattr(weights, "release", lambda name: None)  # the mapped original, once packed
+    release = getattr(weights, "release", lambda name: None)  # the mapped original, once packed (a copy)
     groups = [(weights["global"], names["global"], "")]
     groups += [(layer, names["block"], f"blk.{i}.") for i, layer in enumerate(weights["layers"])]
     for group, linear_names, prefix in groups:
