@@ -83,6 +83,13 @@ def _build():
 
     build = build_dir()
     build.mkdir(parents=True, exist_ok=True)
+    try:  # the `ninja` wheel's binary: on PATH only in an activated virtual environment
+        import ninja
+
+        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    except ImportError:
+        pass
     # torch's builder locks the folder (concurrent first uses wait for one build) and reuses it after.
     return load(name=f"linnet_gemv_bf16_{_key()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
                 extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
