@@ -62,3 +62,16 @@ def test_turned_off_or_unbuildable_means_onednn_not_an_error():
                          capture_output=True, text=True, check=True).stdout.split()
     assert out[0] == "True" and "LINNET_CPU_GEMV=0" in " ".join(out)
     assert out[-1] in ("PackedLinear", "None")
+
+
+@pytest.mark.slow
+def test_a_fresh_machine_builds_the_kernel(gemv, tmp_path):
+    """What a first bfloat16 session does on a new machine: build into an empty folder (~25 s), with
+    only the system's PATH (the ninja wheel's folder is added by the builder, not by an activated venv)."""
+    code = "from linnet_core.backends import bf16_gemv as g; print(g.kernel() is not None, g.why_not())"
+    env = {**os.environ, "LINNET_KERNELS": str(tmp_path / "kernels"),
+           "PATH": os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                                   if not p.startswith(sys.prefix))}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("True"), out.stdout + out.stderr
+    assert list((tmp_path / "kernels").glob("gemv_bf16-*/*.so"))
