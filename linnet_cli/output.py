@@ -92,4 +92,4 @@ def handle_errors(fn: Callable) -> Callable:
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    sys.stderr.write(f"warning: {message}\n")
+    sys.stderr.write(f"{getattr(category, 'prefix', 'warning')}: {message}\n")  # a notice says "note"

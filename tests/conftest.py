@@ -62,6 +62,19 @@ def _isolated_cache(monkeypatch, session_cache):
     monkeypatch.setenv("LINNET_CACHE", str(session_cache))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _bf16_kernel_built():
+    """Linnet's bf16 CPU kernel built (once per environment, ~25 s) before any test, so no test's
+    output carries the one-time build notice."""
+    import warnings
+
+    from linnet_core.backends import bf16_gemv
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", bf16_gemv.KernelBuildNotice)
+        bf16_gemv.kernel()
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests run where CUDA is present and are skipped, with the reason shown, elsewhere."""
     import torch

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -66,8 +67,16 @@ def why_not() -> str:
     return _why_not if kernel() is None else ""
 
 
+class KernelBuildNotice(UserWarning):
+    """Said once, when a first bfloat16 CPU session stops ~25 s to build the kernel."""
+
+    prefix = "note"
+
+
 def _key() -> str:
-    return hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    """The source, this PyTorch and where it lies: torch's builder rebuilds for another install's
+    headers, so two virtual environments sharing one folder would rebuild each other's."""
+    return hashlib.sha256(SOURCE.read_bytes() + f"{torch.__version__}:{torch.__file__}".encode()).hexdigest()[:16]
 
 
 def build_dir() -> Path:
@@ -83,6 +92,9 @@ def _build():
 
     build = build_dir()
     build.mkdir(parents=True, exist_ok=True)
+    if not any(build.glob("*.so")):
+        warnings.warn("building Linnet's bfloat16 CPU kernel for this machine (once, about 25 s)", KernelBuildNotice,
+                      stacklevel=2)
     try:  # the `ninja` wheel's binary: on PATH only in an activated virtual environment
         import ninja
 
