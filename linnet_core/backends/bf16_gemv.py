@@ -2,8 +2,8 @@
 
 At batch 1 a decode step reads every weight once. oneDNN's bf16 kernel streams ~32 GB/s on this
 machine class; this one, with AVX-512 BF16's dot product as ggml's, ~41 (microbenchmark; ~33 in
-a Qwen3-4B step). It is built once per machine with torch's C++ extension builder (g++ and
-ninja, ~25 s) into ~/.cache/linnet/kernels (or $LINNET_KERNELS), keyed by the PyTorch version
+a Qwen3-4B step). It is built once per environment with torch's C++ extension builder (g++ and
+ninja, ~25 s) into ~/.cache/linnet/kernels (or $LINNET_KERNELS), keyed by the PyTorch install
 and the source, checked against F.linear, and used only where the CPU has AVX-512 BF16; anything
 missing means oneDNN as before, never an error. `LINNET_CPU_GEMV=0` turns it off.
 """
