@@ -51,8 +51,12 @@ def compare_logits(logits: np.ndarray, reference: np.ndarray, dtype: str) -> tup
     """(distance, tolerance, top-1 agreement) of logits [N, V] against the reference's [N, V]."""
     distance = float(np.abs(logits - reference).max())
     top1 = float((logits.argmax(-1) == reference.argmax(-1)).mean())
-    tolerance = TOLERANCE[dtype] * max(1.0, float(np.abs(reference).max()))
-    return distance, tolerance, top1
+    return distance, tolerance_for(reference, dtype), top1
+
+
+def tolerance_for(reference: np.ndarray, dtype: str) -> float:
+    """The dtype's rounding error at the size of the reference logits."""
+    return TOLERANCE[dtype] * max(1.0, float(np.abs(reference).max()))
 
 
 def has_tokenizer(folder: Path) -> bool:

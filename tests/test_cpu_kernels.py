@@ -49,7 +49,7 @@ def test_bias_and_what_the_kernel_leaves_to_f_linear(gemv):
     assert torch.equal(bf16_gemv.decode_linear(x, odd), F.linear(x, odd))
 
 
-def test_bf16_sessions_keep_weights_mapped_under_the_kernel(gemv):
+def test_bf16_linears_take_the_kernel_and_float32_keeps_onednn(gemv):
     assert linear_kernel(torch.bfloat16) is DecodeLinear
     assert linear_kernel(torch.float32) is not DecodeLinear
 

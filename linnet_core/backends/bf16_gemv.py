@@ -34,16 +34,21 @@ def cpu_has_bf16_dot() -> bool:
     return all(f in have for f in CPU_FLAGS)
 
 
-@functools.lru_cache(maxsize=None)
-def kernel():
-    """The built extension's `gemv_bf16`, or None (and `why_not()` says why)."""
-    global _why_not
+def _unusable() -> str | None:
+    """Why the kernel cannot serve here before any build is tried, or None."""
     if os.environ.get("LINNET_CPU_GEMV", "1") == "0":
-        _why_not = "turned off by LINNET_CPU_GEMV=0"
-        return None
+        return "turned off by LINNET_CPU_GEMV=0"
     if not cpu_has_bf16_dot():
-        _why_not = "this CPU has no AVX-512 BF16"
-        return None
+        return "this CPU has no AVX-512 BF16: bfloat16 linears use oneDNN"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded():
+    """(the built extension's `gemv_bf16`, None) or (None, why not); built and checked once."""
+    why = _unusable()
+    if why:
+        return None, why
     try:
         fn = _build().gemv_bf16
         g = torch.Generator().manual_seed(0)
@@ -51,20 +56,20 @@ def kernel():
         for rows in range(1, MAX_ROWS + 1):
             x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
             if not torch.allclose(fn(x, w).float(), F.linear(x, w).float(), atol=5e-2, rtol=2e-2):
-                _why_not = "it disagreed with F.linear"
-                return None
+                return None, "it disagreed with F.linear"
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: oneDNN serves instead
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-        _why_not = f"it could not be built ({type(e).__name__}: {last})"
-        return None
-    return fn
+        return None, f"it could not be built ({type(e).__name__}: {last})"
+    return fn, None
 
 
-_why_not = ""
+def kernel():
+    """The built extension's `gemv_bf16`, or None (and `why_not()` says why)."""
+    return _loaded()[0]
 
 
 def why_not() -> str:
-    return _why_not if kernel() is None else ""
+    return _loaded()[1] or ""
 
 
 class KernelBuildNotice(UserWarning):
@@ -109,10 +114,9 @@ def _build():
 
 def status() -> tuple[bool, str]:
     """(usable, what doctor says) without building: a build takes ~25 s, doctor takes none."""
-    if os.environ.get("LINNET_CPU_GEMV", "1") == "0":
-        return False, "turned off by LINNET_CPU_GEMV=0"
-    if not cpu_has_bf16_dot():
-        return False, "this CPU has no AVX-512 BF16: bfloat16 linears use oneDNN"
+    why = _unusable()
+    if why:
+        return False, why
     if any(build_dir().glob("*.so")):
         return True, f"built in {build_dir()}"
     return True, "built at the first bfloat16 CPU session (about 25 s; needs g++ and ninja)"

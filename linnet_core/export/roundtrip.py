@@ -25,7 +25,7 @@ from ..dtypes import normalize_dtype
 from ..errors import BackendUnavailable, CheckpointError, InputError, VerifyFailed
 from ..reference import quiet_transformers, reference_dtype, reference_run, run_reference
 from ..tokenizer import Tokenizer
-from ..verify import compare_logits, prompt_ids
+from ..verify import TOLERANCE, compare_logits, prompt_ids, tolerance_for
 from .gguf_read import read_gguf
 
 # Spaces, digits, punctuation, a newline, a tab and characters a small vocabulary lacks (byte fallback).
@@ -92,9 +92,7 @@ def decisive_agreement(logits: np.ndarray, reference: np.ndarray, dtype: str) ->
     """Top-1 agreement over the positions where the reference's first choice leads its second by
     more than the dtype's rounding error (verify's tolerance): where it does not, the reference
     itself could have picked either, and agreeing there says nothing (random weights give many)."""
-    from ..verify import TOLERANCE
-
-    noise = TOLERANCE.get(dtype, TOLERANCE["bfloat16"]) * max(1.0, float(np.abs(reference).max()))
+    noise = tolerance_for(reference, dtype if dtype in TOLERANCE else "bfloat16")
     top2 = np.sort(reference, axis=-1)[:, -2:]  # [N, 2]
     decisive = top2[:, 1] - top2[:, 0] > noise
     if not decisive.any():
