@@ -48,10 +48,10 @@ def platform_checks() -> list[Check]:
         why = "this PyTorch is a CPU build" if torch.version.cuda is None else "no NVIDIA GPU is visible"
         checks.append(Check("GPU", False, why, "install a CUDA build of PyTorch on a machine with an NVIDIA GPU"
                             if torch.version.cuda is None else None))
-    from .backends import bf16_gemv
+    from .backends import decode_kernels
 
-    ready, detail = bf16_gemv.status()
-    checks.append(Check("bf16 CPU kernel", ready, detail))
+    ready, detail = decode_kernels.status()
+    checks.append(Check("CPU decode kernels", ready, detail))
     return checks
 
 

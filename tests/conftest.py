@@ -63,16 +63,16 @@ def _isolated_cache(monkeypatch, session_cache):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _bf16_kernel_built():
-    """Linnet's bf16 CPU kernel built (once per environment, ~25 s) before any test, so no test's
+def _decode_kernels_built():
+    """Linnet's CPU decode kernels built (once per environment, ~45 s) before any test, so no test's
     output carries the one-time build notice."""
     import warnings
 
-    from linnet_core.backends import bf16_gemv
+    from linnet_core.backends import decode_kernels
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", bf16_gemv.KernelBuildNotice)
-        bf16_gemv.kernel()
+        warnings.simplefilter("ignore", decode_kernels.KernelBuildNotice)
+        decode_kernels.extension()
 
 
 def pytest_collection_modifyitems(config, items):

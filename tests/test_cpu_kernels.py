@@ -1,4 +1,4 @@
-"""Linnet's bf16 GEMV kernel (backends/kernels/gemv_bf16.cpp) against F.linear, and where sessions use it."""
+"""Linnet's CPU decode kernels (backends/kernels/*.cpp) against the generic ops, and where sessions use them."""
 
 from __future__ import annotations
 
@@ -10,32 +10,32 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linnet_core.backends import bf16_gemv
+from linnet_core.backends import decode_kernels
 from linnet_core.backends.cpu_kernels import DecodeLinear, linear_kernel
 
 
 @pytest.fixture(scope="module")
-def gemv():
-    fn = bf16_gemv.kernel()
-    if fn is None:
-        pytest.skip(f"the bf16 GEMV kernel does not run here: {bf16_gemv.why_not()}")
-    return fn
+def ext():
+    built = decode_kernels.extension()
+    if built is None:
+        pytest.skip(f"the CPU decode kernels do not run here: {decode_kernels.why_not()}")
+    return built
 
 
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("out_features", [8, 83, 640])  # whole passes of 8 rows, a ragged tail, many tasks
 @pytest.mark.parametrize("in_features", [32, 96, 2560])
-def test_gemv_matches_f_linear(gemv, rows, out_features, in_features):
+def test_gemv_matches_f_linear(ext, rows, out_features, in_features):
     g = torch.Generator().manual_seed(rows * out_features + in_features)
     w = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
     x = torch.randn(1, rows, in_features, generator=g).to(torch.bfloat16)  # [B, T, K] as a step has it
-    got = bf16_gemv.decode_linear(x, w)
+    got = decode_kernels.decode_linear(x, w)
     assert got.shape == (1, rows, out_features) and got.dtype == torch.bfloat16
     want = F.linear(x.float(), w.float())  # float32 accumulation both ways: only the last rounding differs
     assert torch.allclose(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=1e-2)
 
 
-def test_bias_and_what_the_kernel_leaves_to_f_linear(gemv):
+def test_bias_and_what_the_kernel_leaves_to_f_linear(ext):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(40, 64, generator=g).to(torch.bfloat16)
     b = torch.randn(40, generator=g).to(torch.bfloat16)
@@ -43,35 +43,95 @@ def test_bias_and_what_the_kernel_leaves_to_f_linear(gemv):
               torch.randn(1, 1, 64, generator=g)[..., ::2].repeat(1, 1, 2)):  # non-contiguous view made whole
         x = x.to(torch.bfloat16)
         want = F.linear(x.float(), w.float(), b.float())
-        assert torch.allclose(bf16_gemv.decode_linear(x, w, b).float(), want, atol=0.1, rtol=2e-2)
+        assert torch.allclose(decode_kernels.decode_linear(x, w, b).float(), want, atol=0.1, rtol=2e-2)
     odd = torch.randn(24, 48, generator=g).to(torch.bfloat16)  # in_features not a multiple of 32
     x = torch.randn(1, 1, 48, generator=g).to(torch.bfloat16)
-    assert torch.equal(bf16_gemv.decode_linear(x, odd), F.linear(x, odd))
+    assert torch.equal(decode_kernels.decode_linear(x, odd), F.linear(x, odd))
 
 
-def test_bf16_linears_take_the_kernel_and_float32_keeps_onednn(gemv):
+def test_bf16_linears_take_the_kernel_and_float32_keeps_onednn(ext):
     assert linear_kernel(torch.bfloat16) is DecodeLinear
     assert linear_kernel(torch.float32) is not DecodeLinear
 
 
+ATTENTION_SHAPES = [  # (rows, heads, kv heads, head size, window)
+    (1, 32, 8, 128, 0),  # Qwen3-4B's decode
+    (3, 4, 2, 64, 0),  # several rows
+    (2, 6, 6, 32, 5),  # no grouping, a sliding window
+    (2, 8, 1, 96, 3),  # one kv head
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_decode_attention_matches_sdpa(ext, dtype, shape):
+    B, H, KV, D, window = shape
+    g = torch.Generator().manual_seed(B * H + D)
+    k = torch.randn(3, 4, KV, 40, D, generator=g).to(dtype)  # [L, rows, KV, S, D]
+    v = torch.randn(3, 4, KV, 40, D, generator=g).to(dtype)
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    slots = torch.randperm(4, generator=g)[:B]
+    pos = torch.tensor([39, 0, 17][:B])  # the cache's last position, the first, one between
+    got = ext.decode_attention(q, k, v, 1, slots, pos, window, D ** -0.5)
+    want = decode_kernels.reference_attention(q, k, v, 1, slots, pos, window, D ** -0.5)
+    assert got.shape == q.shape and got.dtype == dtype
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]  # one rounding of the output
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_decode_attention_refuses_what_it_cannot_index(ext):
+    k = torch.zeros(2, 3, 2, 8, 16)
+    q = torch.zeros(1, 4, 16)
+    for slots, pos in ((torch.tensor([3]), torch.tensor([0])), (torch.tensor([0]), torch.tensor([8])),
+                       (torch.tensor([-1]), torch.tensor([0]))):
+        with pytest.raises(RuntimeError, match="out of range"):
+            ext.decode_attention(q, k, k, 1, slots, pos, 0, 1.0)
+    with pytest.raises(RuntimeError):  # a layer past the cache
+        ext.decode_attention(q, k, k, 2, torch.tensor([0]), torch.tensor([0]), 0, 1.0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "inductor"])
+def test_sessions_decode_with_the_fused_attention_as_with_sdpa(ext, checkpoints, backend, monkeypatch):
+    """A CPU session hands its step the kernel; decode past a sliding window, in a second cache row,
+    gives the logits of a session on the generic path."""
+    from linnet_core.backends import inductor_backend, torch_backend
+    from linnet_core.compile import load_model
+
+    def decode_logits(session) -> torch.Tensor:  # [steps, V]
+        tok, got = session.prefill([5, 9, 2, 7], slot=1).tokens[0], []
+        for step in range(12):  # past the window of 8
+            out = session.decode([tok], [4 + step], [1], logits=True)
+            tok = out.tokens[0]
+            got.append(torch.from_numpy(out.logits[0, -1]))
+        return torch.stack(got)
+
+    fused, _ = load_model(checkpoints["mistral-window"], backend, "float32", 32, rows=2, device="cpu")
+    assert "decode_attention" in fused.weights["global"]
+    monkeypatch.setattr(torch_backend, "add_decode_attention", lambda *a: False)
+    monkeypatch.setattr(inductor_backend, "add_decode_attention", lambda *a: False)
+    generic, _ = load_model(checkpoints["mistral-window"], backend, "float32", 32, rows=2, device="cpu")
+    assert "decode_attention" not in generic.weights["global"]
+    assert torch.allclose(decode_logits(fused), decode_logits(generic), atol=1e-4, rtol=1e-4)
+
+
 def test_turned_off_or_unbuildable_means_onednn_not_an_error():
-    code = ("from linnet_core.backends import bf16_gemv, cpu_kernels; import torch; "
-            "print(bf16_gemv.kernel() is None, bf16_gemv.why_not(), "
+    code = ("from linnet_core.backends import decode_kernels, cpu_kernels; import torch; "
+            "print(decode_kernels.extension() is None, decode_kernels.why_not(), "
             "getattr(cpu_kernels.linear_kernel(torch.bfloat16), '__name__', 'None'))")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "LINNET_CPU_GEMV": "0"},
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "LINNET_DECODE_KERNELS": "0"},
                          capture_output=True, text=True, check=True).stdout.split()
-    assert out[0] == "True" and "LINNET_CPU_GEMV=0" in " ".join(out)
+    assert out[0] == "True" and "LINNET_DECODE_KERNELS=0" in " ".join(out)
     assert out[-1] in ("PackedLinear", "None")
 
 
 @pytest.mark.slow
-def test_a_fresh_machine_builds_the_kernel(gemv, tmp_path):
+def test_a_fresh_machine_builds_the_kernel(ext, tmp_path):
     """What a first bfloat16 session does on a new machine: build into an empty folder (~25 s), with
     only the system's PATH (the ninja wheel's folder is added by the builder, not by an activated venv)."""
-    code = "from linnet_core.backends import bf16_gemv as g; print(g.kernel() is not None, g.why_not())"
+    code = "from linnet_core.backends import decode_kernels as k; print(k.extension() is not None, k.why_not())"
     env = {**os.environ, "LINNET_KERNELS": str(tmp_path / "kernels"),
            "PATH": os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
                                    if not p.startswith(sys.prefix))}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.startswith("True"), out.stdout + out.stderr
-    assert list((tmp_path / "kernels").glob("gemv_bf16-*/*.so"))
+    assert list((tmp_path / "kernels").glob("decode_kernels-*/*.so"))

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import bf16_gemv
+from . import decode_kernels
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,13 +114,13 @@ class DecodeLinear(CpuLinear):
         self.weight = weight
 
     def eager(self, x, bias):
-        return bf16_gemv.decode_linear(x, self.weight, bias)
+        return decode_kernels.decode_linear(x, self.weight, bias)
 
 
 def linear_kernel(dtype: torch.dtype) -> type[CpuLinear] | None:
     """The kernel class for linear weights of `dtype` on this CPU: Linnet's own bf16 GEMV where
     it builds and runs, else oneDNN's packed weights where they run, else none (F.linear)."""
-    if dtype == torch.bfloat16 and bf16_gemv.kernel() is not None:
+    if dtype == torch.bfloat16 and decode_kernels.extension() is not None:
         return DecodeLinear
     return PackedLinear if packing_works(dtype) else None
 
@@ -143,3 +143,38 @@ def pack_linear_weights(weights: dict, names: dict[str, list[str]]) -> list[CpuL
             if kind is PackedLinear:
                 release(prefix + name)
     return kernels
+
+
+@torch.library.custom_op("linnet::decode_attention", mutates_args=())
+def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int, slots: torch.Tensor,
+                        pos: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """Linnet's decode attention as one opaque op for torch.compile (shape from the fake below)."""
+    return decode_kernels.extension().decode_attention(q.contiguous(), k_cache, v_cache, layer, slots, pos, window, scale)
+
+
+@decode_attention_op.register_fake
+def _(q, k_cache, v_cache, layer, slots, pos, window, scale):
+    return torch.empty_like(q)
+
+
+class DecodeAttention:
+    """Attention of one-token queries straight over the KV cache (decode_kernels), handed to the
+    generated step as weights["global"]["decode_attention"]; its `attend` calls it for decode."""
+
+    def __init__(self, ext):
+        self.ext = ext
+
+    def __call__(self, q, pos, slots, k_cache, v_cache, layer: int, window: int | None, scale: float):
+        """q [B, H, D] at positions pos [B] of cache rows slots [B] -> [B, H, D]."""
+        if torch.compiler.is_compiling():
+            return torch.ops.linnet.decode_attention(q, k_cache, v_cache, layer, slots, pos, window or 0, scale)
+        return self.ext.decode_attention(q.contiguous(), k_cache, v_cache, layer, slots, pos, window or 0, scale)
+
+
+def add_decode_attention(weights: dict, dtype: torch.dtype, head_dim: int) -> bool:
+    """Hand a CPU step the decode attention kernel where it runs for these caches; whether it does."""
+    ext = decode_kernels.extension()
+    if ext is None or not decode_kernels.attention_fits(dtype, head_dim):
+        return False
+    weights["global"]["decode_attention"] = DecodeAttention(ext)
+    return True

@@ -20,12 +20,13 @@ from typing import Iterator, Sequence
 
 import torch
 
+from ..dtypes import torch_dtype
 from ..errors import BackendUnavailable
 from ..runtime.session import Session
 from . import cpu_kernels
 from .artifact import MIN_PROMPT_BUCKET, WEIGHTS_FILE, bucket, import_generated, load_prepared_weights, read_info, \
     warm_up
-from .cpu_kernels import pack_linear_weights
+from .cpu_kernels import add_decode_attention, pack_linear_weights
 from .torch_backend import TorchBackend, TorchSession
 
 # Inductor reads its cache folder from the environment whenever it compiles; the variable is
@@ -136,7 +137,7 @@ class InductorBackend(TorchBackend):
     name = "inductor"
     title = "inductor"
     ragged = False  # compiled per bucket of [B, T]: a mixed step runs as one call per chunk length
-    artifact_format = "4"
+    artifact_format = "5"
     mode: str | None = None  # torch.compile mode
     loads_at_compile = True  # inductor compiles by running the step (freezing needs the weights)
 
@@ -153,7 +154,10 @@ class InductorBackend(TorchBackend):
         info = read_info(artifact)
         module = import_generated(artifact / "model.py", "linnet_inductor")
         weights = load_prepared_weights(artifact / WEIGHTS_FILE, device)
-        kernels = pack_linear_weights(weights, info["linear_weights"]) if device == "cpu" and pack_weights else []
+        kernels = []
+        if device == "cpu" and pack_weights:
+            kernels = pack_linear_weights(weights, info["linear_weights"])
+            add_decode_attention(weights, torch_dtype(info["dtype"]), info["cache"]["head_dim"])
         return CompiledTorchSession(module, weights, kernels, info, rows, device, self.name, self.mode,
                                     artifact / "inductor_cache")
 

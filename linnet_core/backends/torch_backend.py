@@ -21,14 +21,14 @@ from ..runtime.ragged import RaggedLayout
 from ..runtime.session import Session
 from .artifact import WEIGHTS_FILE, import_generated, load_prepared_weights, read_info
 from .base import Backend
-from .cpu_kernels import DecodeLinear, linear_kernel, pack_linear_weights
+from .cpu_kernels import DecodeLinear, add_decode_attention, linear_kernel, pack_linear_weights
 from .torch_emit import emit
 
 
 # Linear weights the eager backend packs for oneDNN at load. float32's packed kernel streams twice
 # as fast (35 vs 16 GB/s here); bfloat16's gains 14% (22.4 vs 19.6 GB/s) but packing 8 GB takes
 # ~3.5 s at every load, so bfloat16 stays mapped, served by Linnet's own GEMV where it runs
-# (bf16_gemv: ~41 GB/s, no copy) and F.linear elsewhere (measured, Qwen3-4B shapes).
+# (decode_kernels: ~41 GB/s, no copy) and F.linear elsewhere (measured, Qwen3-4B shapes).
 PACKED_AT_LOAD = ("float32",)
 
 
@@ -77,7 +77,7 @@ class TorchBackend(Backend):
     title = "generated PyTorch"
 
     ragged = True  # the serving engine's mixed steps run as one call
-    artifact_format = "7"
+    artifact_format = "8"
 
     def toolchain(self) -> dict[str, str]:
         return {"torch": torch.__version__, "format": self.artifact_format}
@@ -98,6 +98,8 @@ class TorchBackend(Backend):
         info = read_info(artifact)
         module = import_generated(artifact / "model.py", "linnet_generated")
         weights = load_prepared_weights(artifact / WEIGHTS_FILE, device)
-        if device == "cpu" and pack_weights and kernels_at_load(info["dtype"]):
-            pack_linear_weights(weights, info["linear_weights"])
+        if device == "cpu" and pack_weights:
+            if kernels_at_load(info["dtype"]):
+                pack_linear_weights(weights, info["linear_weights"])
+            add_decode_attention(weights, torch_dtype(info["dtype"]), info["cache"]["head_dim"])
         return TorchSession(module, weights, info, rows, device, self.name)

@@ -62,17 +62,17 @@ def write_cache(k, v, pos, rows, k_cache, v_cache, layer):
     v_cache[layers, rows, :, pos] = v
 
 
-def attention(q, k, v, pos, slots, kv_len, k_cache, v_cache, layer, window, scale):
+def attention(q, k, v, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, fused=None):
     """Write k, v at `pos` of cache rows `slots` of `layer`, then attend over the first kv_len positions.
 
     q [B, T, H, D]; k, v [B, T, KV, D]; caches [L, rows, KV, S, D]; returns [B, T, H, D].
     """
     write_cache(k, v, pos, slots[:, None].expand_as(pos), k_cache, v_cache, layer)
-    return attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, q.shape[2] != k.shape[2])
+    return attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, q.shape[2] != k.shape[2], fused)
 
 
 def ragged_attention(q, k, v, pos, token_slots, d_slots, d_kv_len, p_slots, p_index, p_pack, p_kv_len,
-                     k_cache, v_cache, layer, window, scale):
+                     k_cache, v_cache, layer, window, scale, fused=None):
     """A ragged step's attention: q [1, N, H, D] of N tokens from many rows, each written at its own
     row and position, then attended in two groups: the first Bd tokens (one-token rows), and the
     chunks gathered into [Bp, Tp] by p_index (padding repeats a chunk's last token) -> [1, N, H, D].
@@ -82,7 +82,7 @@ def ragged_attention(q, k, v, pos, token_slots, d_slots, d_kv_len, p_slots, p_in
     outs, n_decode = [], d_slots.shape[0]
     if n_decode:  # [1, Bd, H, D] -> [Bd, 1, H, D] and back
         out = attend(q[0, :n_decode, None], pos[0, :n_decode, None], d_slots, d_kv_len,
-                     k_cache, v_cache, layer, window, scale, gqa)
+                     k_cache, v_cache, layer, window, scale, gqa, fused)
         outs.append(out[:, 0][None])
     if p_slots.shape[0]:  # [1, N, H, D] -> [Bp, Tp, H, D] -> [1, Np, H, D]
         out = attend(q[0][p_index], pos[0][p_index], p_slots, p_kv_len, k_cache, v_cache, layer, window, scale, gqa)
@@ -90,8 +90,14 @@ def ragged_attention(q, k, v, pos, token_slots, d_slots, d_kv_len, p_slots, p_in
     return torch.cat(outs, dim=1)
 
 
-def attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, gqa):
-    """q [B, T, H, D] over the first kv_len positions of cache rows `slots` -> [B, T, H, D]."""
+def attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, gqa, fused=None):
+    """q [B, T, H, D] over the first kv_len positions of cache rows `slots` -> [B, T, H, D].
+
+    `fused`: a kernel the runtime hands over for one-token queries (weights["global"]
+    ["decode_attention"]: reads the cache in place, where the lines below copy it).
+    """
+    if fused is not None and q.shape[1] == 1:
+        return fused(q[:, 0], pos[:, 0], slots, k_cache, v_cache, layer, window, scale)[:, None]
     keys = k_cache[layer, :, :, :kv_len].index_select(0, slots)  # [B, KV, kv_len, D]
     values = v_cache[layer, :, :, :kv_len].index_select(0, slots)
     key_pos = torch.arange(kv_len, device=pos.device)  # [kv_len]
@@ -115,7 +121,7 @@ TEMPLATES: dict[str, str] = {
     "split": "{out} = {a}.split({sizes}, dim=-1)",
     "reshape": "{out} = {a}.reshape({shape})",
     "rope": "{out} = apply_rope({args})",
-    "attention": "{out} = attention({args}, kv_len, k_cache, v_cache, i, {window}, {scale})",
+    "attention": "{out} = attention({args}, kv_len, k_cache, v_cache, i, {window}, {scale}, g.get(\"decode_attention\"))",
     "silu": "{out} = F.silu({a})",
     "gelu": "{out} = F.gelu({a}, approximate={approximate})",
     "mul": "{out} = {a} * {b}",
@@ -127,7 +133,7 @@ TEMPLATES: dict[str, str] = {
 # The ragged form has no positions op (positions are an input) and one entry per wanted token.
 RAGGED_TEMPLATES: dict[str, str] = {
     **{op: t for op, t in TEMPLATES.items() if op != "positions"},
-    "attention": "{out} = ragged_attention({args}, k_cache, v_cache, i, {window}, {scale})",
+    "attention": "{out} = ragged_attention({args}, k_cache, v_cache, i, {window}, {scale}, g.get(\"decode_attention\"))",
     "last_token": "{out} = {a}[0, {b}, None]",
     "argmax": "{out} = {a}[:, 0].argmax(dim=-1)",
 }

@@ -54,5 +54,3 @@ torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w) {
   sizes.back() = N;
   return y.to(at::kBFloat16).view(sizes);
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("gemv_bf16", &gemv_bf16, "bf16 x [M<=2, K] @ w [N, K].T"); }

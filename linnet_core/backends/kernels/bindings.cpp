@@ -1,0 +1,12 @@
+// Linnet's CPU decode kernels as one extension module (see decode_kernels.py).
+#include <torch/extension.h>
+
+torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w);
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                               int64_t layer, const torch::Tensor& slots, const torch::Tensor& pos, int64_t window,
+                               double scale);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv_bf16", &gemv_bf16, "bf16 x [M<=2, K] @ w [N, K].T");
+  m.def("decode_attention", &decode_attention, "one-token queries [B, H, D] over the KV cache in place");
+}
