@@ -25,6 +25,7 @@ from typing import Any, Callable, Protocol
 from filelock import FileLock
 
 from . import __version__
+from .weights import drop_cached
 
 BLOBS = "weights"
 
@@ -105,6 +106,7 @@ class WeightStore:
                 tmp = self.dir / f".{blob.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
                 try:
                     write(tmp)
+                    drop_cached(tmp)  # sessions map it: read back in 2 MiB pages
                     side = tmp.with_name(tmp.name + ".json")
                     side.write_text(json.dumps({"size": tmp.stat().st_size, "created": time.time(), **meta,
                                                 "dtype": key.dtype, "layout": key.layout, "identity": key.identity}))
