@@ -124,6 +124,15 @@ def test_turned_off_or_unbuildable_means_onednn_not_an_error():
     assert out[-1] in ("PackedLinear", "None")
 
 
+def test_a_built_extension_loads_without_the_builder(ext):
+    """Every later process imports the built module directly: torch's builder costs ~0.1 s of
+    imports and a ninja run, a tenth of a warm load."""
+    code = ("import sys; from linnet_core.backends import decode_kernels as k; "
+            "print(k.extension() is not None, 'torch.utils.cpp_extension' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "False"]
+
+
 @pytest.mark.slow
 def test_a_fresh_machine_builds_the_kernel(ext, tmp_path):
     """What a first bfloat16 session does on a new machine: build into an empty folder (~25 s), with

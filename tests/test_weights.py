@@ -105,3 +105,31 @@ def test_writer_round_trips_every_dtype(tmp_path):
     from safetensors.torch import load_file  # the reference reader agrees
 
     assert all(torch.equal(load_file(f)[n], t) for n, t in tensors.items())
+
+
+def test_mappings_ask_for_huge_pages_and_survive_a_kernel_without(checkpoints, monkeypatch):
+    import mmap
+
+    from linnet_core import weights
+
+    asked = []
+
+    class NoHugePages:
+        def madvise(self, option, *args):
+            asked.append(option)
+            raise OSError(22, "Invalid argument")
+
+    weights.in_huge_pages(NoHugePages())  # no transparent huge pages: mapped all the same
+    assert asked == [mmap.MADV_HUGEPAGE]
+    ckpt = Checkpoint(checkpoint_files(checkpoints["llama-gqa-untied"]))
+    name = next(iter(ckpt.tensors))
+    assert ckpt.get(name).sum().isfinite()
+
+
+def test_dropping_a_file_from_the_page_cache_keeps_its_bytes(tmp_path):
+    from linnet_core.weights import drop_cached
+
+    path = tmp_path / "w.bin"
+    path.write_bytes(bytes(range(256)) * 4096)
+    drop_cached(path)
+    assert path.read_bytes() == bytes(range(256)) * 4096
