@@ -27,6 +27,9 @@ from filelock import FileLock
 from . import __version__
 from .weights import drop_cached
 
+# Layouts sessions map through weights.Checkpoint (in_huge_pages); ONNX Runtime reads its own.
+MAPPED_LAYOUTS = ("safetensors",)
+
 BLOBS = "weights"
 
 
@@ -106,7 +109,8 @@ class WeightStore:
                 tmp = self.dir / f".{blob.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
                 try:
                     write(tmp)
-                    drop_cached(tmp)  # sessions map it: read back in 2 MiB pages
+                    if key.layout in MAPPED_LAYOUTS:  # sessions map it: read back in 2 MiB pages
+                        drop_cached(tmp)
                     side = tmp.with_name(tmp.name + ".json")
                     side.write_text(json.dumps({"size": tmp.stat().st_size, "created": time.time(), **meta,
                                                 "dtype": key.dtype, "layout": key.layout, "identity": key.identity}))

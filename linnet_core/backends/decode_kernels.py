@@ -40,7 +40,7 @@ def cpu_has_bf16_dot() -> bool:
 
 
 def _unusable() -> str | None:
-    """Why the kernel cannot serve here before any build is tried, or None."""
+    """Why the kernels cannot serve here before any build is tried, or None."""
     if os.environ.get("LINNET_DECODE_KERNELS", "1") == "0":
         return "turned off by LINNET_DECODE_KERNELS=0"
     if not cpu_has_bf16_dot():
@@ -49,18 +49,22 @@ def _unusable() -> str | None:
 
 
 def reference_attention(q, k_cache, v_cache, layer: int, slots, pos, window: int, scale: float):
-    """What `decode_attention` computes, with generic ops: q [B, H, D] at positions pos [B] over
-    cache rows slots [B] of caches [L, rows, KV, S, D] -> [B, H, D]."""
+    """What `decode_attention` computes, by the generic path the generated step takes without it
+    (torch_emit's `attend`): q [B, H, D] at positions pos [B] of cache rows slots [B] -> [B, H, D]."""
+    attend = _generic_attend()
     kv_len = int(pos.max()) + 1
-    keys = k_cache[layer, :, :, :kv_len].index_select(0, slots)  # [B, KV, kv_len, D]
-    values = v_cache[layer, :, :, :kv_len].index_select(0, slots)
-    key_pos = torch.arange(kv_len)
-    mask = key_pos <= pos[:, None]  # [B, kv_len]
-    if window:
-        mask = mask & (key_pos > pos[:, None] - window)
-    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask[:, None, None], scale=scale,
-                                         enable_gqa=q.shape[1] != keys.shape[1])  # [B, H, 1, D]
-    return out[:, :, 0]
+    out = attend(q[:, None], pos[:, None], slots, kv_len, k_cache, v_cache, layer, window or None, scale,
+                 q.shape[1] != k_cache.shape[2])  # [B, 1, H, D]
+    return out[:, 0]
+
+
+@functools.lru_cache(maxsize=None)
+def _generic_attend():
+    from .torch_emit import PRELUDE
+
+    namespace: dict = {}
+    exec(PRELUDE, namespace)  # the generated module's helpers, as every emitted step has them
+    return namespace["attend"]
 
 
 def _self_check(ext) -> str | None:
@@ -110,6 +114,7 @@ class KernelBuildNotice(UserWarning):
     prefix = "note"
 
 
+@functools.lru_cache(maxsize=None)
 def _key() -> str:
     """The source, this PyTorch and where it lies: torch's builder rebuilds for another install's
     headers, so two virtual environments sharing one folder would rebuild each other's."""
@@ -127,8 +132,8 @@ def build_dir() -> Path:
 
 
 def _build():
-    name = f"linnet_decode_kernels_{_key()}"
-    built = build_dir() / f"{name}.so"
+    name, build = f"linnet_decode_kernels_{_key()}", build_dir()
+    built = build / f"{name}.so"
     if built.exists():  # the key names the sources, flags and PyTorch: imported as is, without the
         try:  # builder, which costs ~0.1 s of imports and a ninja run per process
             return _import(name, built)
@@ -136,7 +141,6 @@ def _build():
             pass
     from torch.utils.cpp_extension import load
 
-    build = build_dir()
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
         warnings.warn("building Linnet's CPU decode kernels for this machine (once, about 45 s)", KernelBuildNotice,

@@ -111,6 +111,9 @@ def attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, gqa, f
 '''
 
 
+# A kernel the runtime may hand the step (cpu_kernels.add_decode_attention), looked up once per step.
+FUSED_ATTENTION = 'decode_attention = g.get("decode_attention")  # the runtime\'s kernel for one-token queries, or None'
+
 # One template per op (placeholders: see pyemit).
 TEMPLATES: dict[str, str] = {
     "positions": "{out} = {a}[:, None] + torch.arange(T, device=ids.device)",
@@ -121,7 +124,7 @@ TEMPLATES: dict[str, str] = {
     "split": "{out} = {a}.split({sizes}, dim=-1)",
     "reshape": "{out} = {a}.reshape({shape})",
     "rope": "{out} = apply_rope({args})",
-    "attention": "{out} = attention({args}, kv_len, k_cache, v_cache, i, {window}, {scale}, g.get(\"decode_attention\"))",
+    "attention": "{out} = attention({args}, kv_len, k_cache, v_cache, i, {window}, {scale}, decode_attention)",
     "silu": "{out} = F.silu({a})",
     "gelu": "{out} = F.gelu({a}, approximate={approximate})",
     "mul": "{out} = {a} * {b}",
@@ -133,7 +136,7 @@ TEMPLATES: dict[str, str] = {
 # The ragged form has no positions op (positions are an input) and one entry per wanted token.
 RAGGED_TEMPLATES: dict[str, str] = {
     **{op: t for op, t in TEMPLATES.items() if op != "positions"},
-    "attention": "{out} = ragged_attention({args}, k_cache, v_cache, i, {window}, {scale}, g.get(\"decode_attention\"))",
+    "attention": "{out} = ragged_attention({args}, k_cache, v_cache, i, {window}, {scale}, decode_attention)",
     "last_token": "{out} = {a}[0, {b}, None]",
     "argmax": "{out} = {a}[:, 0].argmax(dim=-1)",
 }
@@ -152,7 +155,8 @@ TORCH = Dialect(
         "  k_cache, v_cache [{layers}, rows, {kv_heads}, cache_len, {head_dim}]; kv_len: positions to attend over.",
     ),
     signature="def step(weights, {inputs}, last, kv_len: int, k_cache, v_cache, all_logits: bool = False):",
-    setup=('g, layers = weights["global"], weights["layers"]', "B, T = ids.shape", "dtype = k_cache.dtype"),
+    setup=('g, layers = weights["global"], weights["layers"]', "B, T = ids.shape", "dtype = k_cache.dtype",
+           FUSED_ATTENTION),
     loop="for i, w in enumerate(layers):",
     returns="return {outputs}",
 )
@@ -169,7 +173,8 @@ TORCH_RAGGED = replace(
         "  k_cache, v_cache [{layers}, rows, {kv_heads}, cache_len, {head_dim}], updated in place.",
     ),
     signature="def step(weights, {inputs}, k_cache, v_cache):",
-    setup=('g, layers = weights["global"], weights["layers"]', "N = ids.shape[1]", "dtype = k_cache.dtype"),
+    setup=('g, layers = weights["global"], weights["layers"]', "N = ids.shape[1]", "dtype = k_cache.dtype",
+           FUSED_ATTENTION),
     ragged=True,
 )
 

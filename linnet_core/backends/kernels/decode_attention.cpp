@@ -42,7 +42,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots
             double scale) {
   const int64_t G = H / KV;  // query heads per kv head
   at::parallel_for(0, B * KV, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qf(G * D), acc(G * D), scores;
+    std::vector<float> qf(G * D), acc(G * D), total(G), scores;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / KV, h = t % KV, p = pos[b];
       const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0, n = p - lo + 1;
@@ -62,7 +62,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots
           scores[g * n + s] = _mm512_reduce_add_ps(dot);
         }
       }
-      std::vector<float> total(G, 0.f);
+      std::fill(total.begin(), total.end(), 0.f);
       for (int64_t g = 0; g < G; ++g) {  // softmax numerators over the n keys, the sum kept apart
         float* row = scores.data() + g * n;
         float top = -std::numeric_limits<float>::infinity();
