@@ -184,12 +184,17 @@ class OnnxRuntimeBackend(Backend):
     def write_weights(self, graph: Graph, ckpt: Checkpoint, dtype: str, out: Path, emitted, place: Placer) -> None:
         emitted(ckpt, place)
 
-    def session_options(self):
+    def session_options(self, device: str):
         ort = import_ort()
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.intra_op_num_threads = torch.get_num_threads()
         so.log_severity_level = 3  # errors only: its warnings are not the user's business
+        if device == "cpu":
+            # ORT maps the external data; prepacking would copy every MatMul weight into MLAS's
+            # panels (Qwen3-4B f32: 27 s and 17.5 GB of anonymous memory) for ~20% faster
+            # prefill and the same decode, so the weights stay mapped from the page cache.
+            so.add_session_config_entry("session.disable_prepacking", "1")
         return so
 
     def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
@@ -199,7 +204,7 @@ class OnnxRuntimeBackend(Backend):
         info = read_info(artifact)
         providers = self.providers(device)
         try:
-            sess = ort.InferenceSession(str(artifact / "model.onnx"), self.session_options(), providers=providers,
+            sess = ort.InferenceSession(str(artifact / "model.onnx"), self.session_options(device), providers=providers,
                                         provider_options=self.provider_options(artifact, device))
         except Exception as e:
             err = _missing_kernel(e, providers[0], info["dtype"])
