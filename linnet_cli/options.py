@@ -8,22 +8,22 @@ from typing import Annotated, Optional
 import typer
 
 from linnet_core.backends import BACKEND_NAMES
-from linnet_core.dtypes import ALIASES, DTYPES, normalize_dtype
+from linnet_core.dtypes import FORMAT_ALIASES, FORMATS, normalize_format
 from linnet_core.models.catalog import SHORT_NAMES
 
 BackendName = Enum("BackendName", {name: name for name in BACKEND_NAMES}, type=str)
 
 
 def _dtype(value: str) -> str:
-    """Accept every spelling (bf16, fp16, float32, ...), pass on the canonical name."""
-    canonical = "auto" if value == "auto" else normalize_dtype(value)
+    """Accept every spelling (bf16, fp16, float32, q4, ...), pass on the canonical name."""
+    canonical = "auto" if value == "auto" else normalize_format(value)
     if canonical is None:
-        raise typer.BadParameter(f"'{value}' is not one of auto, {', '.join(ALIASES)}")
+        raise typer.BadParameter(f"'{value}' is not one of auto, {', '.join(FORMAT_ALIASES)}")
     return canonical
 
 
 def _complete_dtype(incomplete: str) -> list[str]:
-    return [d for d in ("auto",) + DTYPES if d.startswith(incomplete)]
+    return [d for d in ("auto", *FORMATS) if d.startswith(incomplete)]
 
 
 def _complete_model(incomplete: str) -> list[str]:
@@ -40,8 +40,9 @@ OptionalModelArg = Annotated[
 ]
 BackendOpt = Annotated[BackendName, typer.Option("--backend", "-b", help="Backend to compile for.")]
 DtypeOpt = Annotated[str, typer.Option(
-    "--dtype", "-d", callback=_dtype, autocompletion=_complete_dtype, metavar="[auto|float32|float16|bfloat16]",
-    help="Compute dtype (bf16, fp16, f32 also accepted); auto = the checkpoint's.")]
+    "--dtype", "-d", callback=_dtype, autocompletion=_complete_dtype, metavar="[auto|float32|float16|bfloat16|q8_0|q4_0]",
+    help="Compute dtype (bf16, fp16, f32 also accepted), or weights in llama.cpp's q8_0 / q4_0 blocks "
+         "(computed in float32); auto = the checkpoint's.")]
 CacheLenOpt = Annotated[
     Optional[int], typer.Option("--cache-len", min=1, help="KV cache positions (default: min(2048, model max)).")
 ]

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 from .backends import get_backend
-from .dtypes import DTYPES, normalize_dtype
+from .dtypes import FORMATS, normalize_format
 from .cache import ArtifactCache, ArtifactKey, model_identity
 from .errors import BackendUnavailable, InputError
 from .hub import ResolvedModel, resolve
@@ -19,7 +19,7 @@ from .runtime.session import Session
 from .weights import Checkpoint, checkpoint_files
 
 DEFAULT_CACHE_LEN = 2048
-DTYPE_CHOICES = ("auto",) + DTYPES
+DTYPE_CHOICES = ("auto",) + tuple(FORMATS)
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,11 @@ def open_model(model: str | Path | None, revision: str | None = None) -> Model:
 
 
 def pick_dtype(dtype: str, spec: ModelSpec) -> str:
-    """`auto` is the checkpoint's own dtype; other spellings (bf16, fp16, ...) are normalised."""
+    """`auto` is the checkpoint's own dtype; other spellings (bf16, fp16, q4, ...) are normalised.
+    A block-quantized choice (q8_0, q4_0) is the weights' storage; they compute in float32."""
     if dtype == "auto":
         return spec.dtype
-    canonical = normalize_dtype(dtype)
+    canonical = normalize_format(dtype)
     if canonical is None:
         raise InputError(f"unknown dtype '{dtype}' (choose from: {', '.join(DTYPE_CHOICES)})")
     return canonical
@@ -84,6 +85,7 @@ def compile_model(model: str | Path | Model | None, backend: str = "torch", dtyp
     m = model if isinstance(model, Model) else open_model(model, revision)
     be = get_backend(backend)
     dt = pick_dtype(dtype, m.spec)
+    be.check_format(dt)
     try:
         be.check_available(dt)
     except BackendUnavailable:

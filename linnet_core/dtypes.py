@@ -45,6 +45,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("q4_0", ("q4",), "q4_0", 32, 18, False),
 )}
 DTYPES: tuple[str, ...] = tuple(n for n, f in FORMATS.items() if f.compute)
+QUANTIZED: tuple[str, ...] = tuple(n for n, f in FORMATS.items() if f.quantized)
 ALIASES: dict[str, str] = {s: f.name for f in FORMATS.values() if f.compute for s in (f.name, *f.aliases)}
 FORMAT_ALIASES: dict[str, str] = {s: f.name for f in FORMATS.values() for s in (f.name, *f.aliases)}
 ONNX_INT64 = 7  # onnx.TensorProto.INT64: every index input of the emitted graphs
@@ -60,17 +61,26 @@ def normalize_format(name: str) -> str | None:
     return FORMAT_ALIASES.get(str(name).lower().removeprefix("torch."))
 
 
+QUANT_COMPUTE = "float32"  # activations and the KV cache of quantized weights, as llama.cpp's CPU path keeps them
+
+
+def compute_dtype(name: str) -> str:
+    """The compute dtype a storage format runs in: itself, or float32 for a block-quantized one."""
+    return name if FORMATS[name].compute else QUANT_COMPUTE
+
+
 def torch_dtype(name: str) -> Any:
-    """The torch dtype of a compute dtype (imports torch)."""
+    """The torch dtype activations take under a format (a quantized one computes in float32)."""
     import torch
 
-    return getattr(torch, FORMATS[name].torch)
+    return getattr(torch, FORMATS[compute_dtype(name)].torch)
 
 
 def numpy_dtype(name: str) -> Any:
-    """The numpy dtype of a compute dtype; bfloat16 comes from ml_dtypes (numpy has none)."""
+    """The numpy dtype of a format's activations; bfloat16 comes from ml_dtypes (numpy has none)."""
     import numpy as np
 
+    name = compute_dtype(name)
     if name == "bfloat16":
         import ml_dtypes
 

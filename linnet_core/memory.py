@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 
-from .dtypes import FORMATS
+from .dtypes import FORMATS, compute_dtype
 from .errors import BackendUnavailable
 from .models import build_graph
 from .models.spec import ModelSpec
+from .quant import param_formats
 
 GIB = 2**30
 RUNTIME_BYTES = GIB // 2  # interpreter, libraries and scratch buffers, measured on the 191M model
@@ -23,21 +24,23 @@ HEADROOM = 0.95  # of MemAvailable: what else runs meanwhile, and the estimate's
 def weight_bytes(spec: ModelSpec, dtype: str, copies_of_tied: int = 1) -> int:
     """Bytes of the prepared weights: every param once (a tied head once more when the layout
     stores it twice, as the ONNX one does)."""
+    graph = build_graph(spec)
+    formats = param_formats(graph, dtype)  # a quantized choice leaves norms (and odd sizes) wide
     total, seen = 0, set()
-    for _, p, layer in build_graph(spec).all_params():
+    for full, p, layer in graph.all_params():
         n = 1
         for d in p.shape:
             n *= d
-        source = (tuple(p.sources(layer)), p.shape)
+        source = (tuple(p.sources(layer)), p.shape, formats[full])
         if source in seen and copies_of_tied == 1:
             continue
         seen.add(source)
-        total += FORMATS[dtype].nbytes(n)
+        total += FORMATS[formats[full]].nbytes(n)
     return total
 
 
 def kv_cache_bytes(spec: ModelSpec, dtype: str, cache_len: int, rows: int) -> int:
-    return FORMATS[dtype].nbytes(spec.num_layers * 2 * rows * spec.num_kv_heads * cache_len * spec.head_dim)
+    return FORMATS[compute_dtype(dtype)].nbytes(spec.num_layers * 2 * rows * spec.num_kv_heads * cache_len * spec.head_dim)
 
 
 def proc_kib(path: str, field: str) -> int | None:

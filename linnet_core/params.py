@@ -11,9 +11,10 @@ from typing import Iterator
 
 import torch
 
-from .dtypes import torch_dtype
+from .dtypes import FORMATS, torch_dtype
 from .errors import CheckpointError
 from .ir.graph import Graph, Param
+from .quant import param_formats, quantize, stored_shape
 from .weights import Checkpoint
 
 
@@ -43,27 +44,40 @@ def materialize(p: Param, layer: int | None, ckpt: Checkpoint, dtype: torch.dtyp
 def layout(graph: Graph, dtype: str) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], dict[str, str]]:
     """(name, shape, dtype) of every distinct prepared weight in file order, and the aliases.
 
-    Params made from the same tensors (a tied output head) are stored once; `aliases` maps the
-    later names to the stored one.
+    Params made from the same tensors in the same format (a tied output head) are stored once;
+    `aliases` maps the later names to the stored one. Block-quantized weights are uint8 blocks.
     """
+    formats = param_formats(graph, dtype)
     stored: dict[tuple, str] = {}
     entries, aliases = [], {}
     for full, p, layer in graph.all_params():
-        source = (tuple(p.sources(layer)), p.shape)
+        source = (tuple(p.sources(layer)), p.shape, formats[full])
         if source in stored:
             aliases[full] = stored[source]
             continue
         stored[source] = full
-        entries.append((full, p.shape, torch_dtype(dtype)))
+        quantized = FORMATS[formats[full]].quantized
+        entries.append((full, stored_shape(p.shape, formats[full]), torch.uint8 if quantized else torch_dtype(dtype)))
     return entries, aliases
+
+
+def quantized_names(graph: Graph, dtype: str) -> dict[str, str]:
+    """{stored name: format} of the block-quantized weights in the prepared-weights file."""
+    entries, _ = layout(graph, dtype)
+    formats = param_formats(graph, dtype)
+    return {name: formats[name] for name, _, _ in entries if FORMATS[formats[name]].quantized}
 
 
 def produce(graph: Graph, ckpt: Checkpoint, dtype: str) -> Iterator[torch.Tensor]:
     """The prepared weights in `layout` order, one at a time (each source released once written)."""
     _, aliases = layout(graph, dtype)
+    formats = param_formats(graph, dtype)
     for full, p, layer in graph.all_params():
         if full not in aliases:
-            yield materialize(p, layer, ckpt, torch_dtype(dtype))
+            if FORMATS[formats[full]].quantized:  # from float32, as llama.cpp's quantizer takes them
+                yield quantize(materialize(p, layer, ckpt, torch.float32), formats[full])
+            else:
+                yield materialize(p, layer, ckpt, torch_dtype(dtype))
             release_sources(p, layer, ckpt)
 
 

@@ -75,12 +75,43 @@ def reference_dtype(spec, dtype: str) -> str:
     return "float16" if dtype in ("float16", "f16", "fp16") else "bfloat16"  # q8_0 and f32 exports too
 
 
+def as_quantized(model, spec, fmt: str) -> None:
+    """Replace, in place, each weight Linnet stores block-quantized under `fmt` by its dequantized
+    blocks: the reference then computes on the very numbers the backend does, so their distance is
+    the kernels' error alone, not quantization's."""
+    import torch
+
+    from .dtypes import FORMATS
+    from .models import build_graph
+    from .quant import dequantize, param_formats, quantize
+
+    graph = build_graph(spec)
+    formats = param_formats(graph, fmt)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    done: set[str] = set()
+    with torch.no_grad():
+        for full, p, layer in graph.all_params():
+            if not FORMATS[formats[full]].quantized:
+                continue
+            for src in p.sources(layer):
+                if src in done:
+                    continue
+                if src not in named:
+                    raise BackendUnavailable(f"the reference has no weight '{src}' to quantize as {formats[full]}")
+                w = named[src]
+                w.copy_(dequantize(quantize(w.float(), formats[full]), formats[full]).to(w.dtype))
+                done.add(src)
+
+
 def reference_run(path: Path, prompt: list[int], steps: int, dtype: str = "float32",
-                  feed: list[int] | None = None) -> ReferenceRun:
-    """Load the reference, run it, and free it before returning: only the logits stay."""
+                  feed: list[int] | None = None, quantized: tuple | None = None) -> ReferenceRun:
+    """Load the reference, run it, and free it before returning: only the logits stay.
+    `quantized` = (spec, format): the reference over the dequantized weights of that format."""
     import gc
 
     model = load_reference(path, dtype)
+    if quantized is not None:
+        as_quantized(model, *quantized)
     try:
         return run_reference(model, prompt, steps, feed)
     finally:

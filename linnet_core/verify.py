@@ -8,6 +8,7 @@ the reference logits, since a rounding error is relative to the number rounded.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,7 +19,8 @@ from .backends import get_backend
 from .compile import Model, compile_model, load_model, open_model
 from .errors import CheckpointError, InputError
 from .memory import check_fits
-from .reference import reference_dtype, reference_run, run_reference
+from .dtypes import FORMATS, compute_dtype
+from .reference import as_quantized, reference_dtype, reference_run, run_reference
 from .tokenizer import Tokenizer
 
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}  # times max(1, max |reference logit|)
@@ -99,7 +101,12 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
     # The reference first, then the backend: only the reference's logits are kept in between, so a
     # model as big as memory allows is never held twice.
     ref_dtype = "float32" if reference is not None else reference_dtype(m.spec, compiled.dtype)
-    ref = run_reference(reference, ids, steps) if reference is not None else reference_run(m.path, ids, steps, ref_dtype)
+    quantized = FORMATS[compiled.dtype].quantized  # then the reference computes on the same dequantized weights
+    if reference is not None and quantized:  # a copy: the caller's model stays as it was
+        reference = copy.deepcopy(reference)
+        as_quantized(reference, m.spec, compiled.dtype)
+    ref = run_reference(reference, ids, steps) if reference is not None else \
+        reference_run(m.path, ids, steps, ref_dtype, quantized=(m.spec, compiled.dtype) if quantized else None)
     session, compiled = load_model(m, backend, dtype, cache_len, rows=1, **load_kw)
 
     got = [session.prefill(ids, logits="all")]
@@ -107,7 +114,7 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
         got.append(session.decode([ref.tokens[k]], [len(ids) + k], [0], logits=True))
     logits = np.concatenate([g.logits[0] for g in got])  # [T + steps, V]
     tokens = [g.tokens[0] for g in got]
-    distance, tolerance, top1 = compare_logits(logits, ref.logits, compiled.dtype)
+    distance, tolerance, top1 = compare_logits(logits, ref.logits, compute_dtype(compiled.dtype))
     if ref_dtype != "float32":  # the reference rounds as much as the backend: two errors, not one
         tolerance *= 2
     return VerifyReport(

@@ -94,7 +94,7 @@ def test_decode_attention_refuses_what_it_cannot_index(ext):
 def test_sessions_decode_with_the_fused_attention_as_with_sdpa(ext, checkpoints, backend, monkeypatch):
     """A CPU session hands its step the kernel; decode past a sliding window, in a second cache row,
     gives the logits of a session on the generic path."""
-    from linnet_core.backends import inductor_backend, torch_backend
+    from linnet_core.backends import torch_backend
     from linnet_core.compile import load_model
 
     def decode_logits(session) -> torch.Tensor:  # [steps, V]
@@ -107,8 +107,7 @@ def test_sessions_decode_with_the_fused_attention_as_with_sdpa(ext, checkpoints,
 
     fused, _ = load_model(checkpoints["mistral-window"], backend, "float32", 32, rows=2, device="cpu")
     assert "decode_attention" in fused.weights["global"]
-    monkeypatch.setattr(torch_backend, "add_decode_attention", lambda *a: False)
-    monkeypatch.setattr(inductor_backend, "add_decode_attention", lambda *a: False)
+    monkeypatch.setattr(torch_backend, "add_decode_attention", lambda *a: False)  # both backends' cpu_weights
     generic, _ = load_model(checkpoints["mistral-window"], backend, "float32", 32, rows=2, device="cpu")
     assert "decode_attention" not in generic.weights["global"]
     assert torch.allclose(decode_logits(fused), decode_logits(generic), atol=1e-4, rtol=1e-4)

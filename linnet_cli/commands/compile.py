@@ -25,6 +25,12 @@ def compile_command(
     sink = Sink(json, quiet)
     c = compile_model(model, backend.value, dtype, cache_len, revision=revision, progress=sink.info)
     state = "cache hit" if c.hit else "compiled"
+    from linnet_core.models import build_graph
+    from linnet_core.quant import summary
+
+    stored = summary(build_graph(c.model.spec), c.dtype)
+    if stored:
+        sink.info(stored)
     sink.data(
         f"{escape(str(c.artifact))}\n[dim]{state} · {c.backend} · {c.dtype} · cache {c.cache_len} · {c.seconds:.2f} s[/]",
         {"artifact": str(c.artifact), "hit": c.hit, "seconds": round(c.seconds, 4), "backend": c.backend,

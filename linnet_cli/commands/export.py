@@ -105,9 +105,9 @@ def export_gguf_command(
     model: ModelArg,
     out: Annotated[Path, typer.Argument(help="The .gguf file to create (refused if it exists, unless --force).",
                                         show_default=False)],
-    dtype: Annotated[str, typer.Option("--dtype", "-d", callback=_gguf_dtype, metavar="[auto|f32|f16|bf16|q8_0]",
-                                       help="Weight type; auto = the checkpoint's; q8_0 by the gguf package's "
-                                            "quantizer.")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", "-d", callback=_gguf_dtype, metavar="[auto|f32|f16|bf16|q8_0|q4_0]",
+                                       help="Weight type; auto = the checkpoint's; q8_0 and q4_0 hold the very blocks a Linnet artifact of that dtype does "
+                                            "(ggml's rounding; norms f32, the output head q8_0).")] = "auto",
     check_with: Annotated[Optional[str], typer.Option(
         "--check-with", callback=_checker, metavar="[llama.cpp|transformers]",
         help="Engine for the round trip (default: llama.cpp if installed, else transformers).")] = None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from ..dtypes import DTYPES
+from ..dtypes import DTYPES, QUANTIZED
 from ..errors import InputError
 
 if TYPE_CHECKING:
@@ -24,6 +24,8 @@ REGISTRY: dict[str, str] = {
     "cudagraphs": "linnet_core.backends.inductor_backend:CudaGraphsBackend",
 }
 BACKEND_NAMES = tuple(REGISTRY)
+# Backends with kernels for block-quantized weights (CPU): the others refuse those formats by name.
+QUANTIZED_ON: dict[str, tuple[str, ...]] = {"torch": QUANTIZED, "inductor": QUANTIZED}
 _loaded: dict[str, "Backend"] = {}
 
 
@@ -36,4 +38,4 @@ def get_backend(name: str) -> "Backend":
     return _loaded[name]
 
 
-__all__ = ["BACKEND_NAMES", "DTYPES", "REGISTRY", "get_backend"]
+__all__ = ["BACKEND_NAMES", "DTYPES", "QUANTIZED_ON", "REGISTRY", "get_backend"]

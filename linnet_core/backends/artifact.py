@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 WEIGHTS_FILE = "weights.safetensors"
 ALIASES_KEY = "linnet.aliases"
+FORMATS_KEY = "linnet.formats"  # {stored name: q8_0 | q4_0} of the block-quantized weights
 MIN_PROMPT_BUCKET = 16
 
 
@@ -49,7 +50,8 @@ def read_graph(artifact: Path) -> Graph:
 
 def write_prepared_weights(path: Path, graph: Graph, ckpt: Checkpoint, dtype: str) -> None:
     entries, aliases = prepared.layout(graph, dtype)
-    write_safetensors(path, entries, prepared.produce(graph, ckpt, dtype), metadata={ALIASES_KEY: json.dumps(aliases)})
+    metadata = {ALIASES_KEY: json.dumps(aliases), FORMATS_KEY: json.dumps(prepared.quantized_names(graph, dtype))}
+    write_safetensors(path, entries, prepared.produce(graph, ckpt, dtype), metadata=metadata)
 
 
 class PreparedWeights(dict):
@@ -57,9 +59,14 @@ class PreparedWeights(dict):
     copies or packs a tensor elsewhere calls `release(name)`, so its mapped original stops counting
     against the process's memory: the session then holds each weight once, not twice."""
 
-    def __init__(self, groups: dict[str, Any], source: Checkpoint | None = None, aliases: dict[str, str] | None = None):
+    def __init__(self, groups: dict[str, Any], source: Checkpoint | None = None, aliases: dict[str, str] | None = None,
+                 formats: dict[str, str] | None = None):
         super().__init__(groups)
-        self._source, self._aliases = source, aliases or {}
+        self._source, self._aliases, self._formats = source, aliases or {}, formats or {}
+
+    def format_of(self, name: str) -> str | None:
+        """The block format of a quantized weight (uint8 blocks; named as `release` names it), else None."""
+        return self._formats.get(self._aliases.get(name, name))
 
     def release(self, name: str) -> None:
         """`name` as the file has it: global names as they are, block weights as blk.<i>.<name>."""
@@ -72,12 +79,13 @@ def load_prepared_weights(path: Path, device: str) -> PreparedWeights:
     one tensor at a time, each mapped original released once copied."""
     ckpt = Checkpoint([path])
     aliases = json.loads(ckpt.metadata.get(ALIASES_KEY, "{}"))
+    formats = json.loads(ckpt.metadata.get(FORMATS_KEY, "{}"))
     flat = {}
     for name in ckpt.tensors:
         flat[name] = ckpt.get(name) if device == "cpu" else ckpt.get(name).to(device)
         if device != "cpu":
             ckpt.release(name)
-    return PreparedWeights(_grouped(flat, aliases), ckpt if device == "cpu" else None, aliases)
+    return PreparedWeights(_grouped(flat, aliases), ckpt if device == "cpu" else None, aliases, formats)
 
 
 def prepared_shapes(path: Path) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import params as prepared
-from ..dtypes import DTYPES
+from ..dtypes import DTYPES, FORMATS
 from ..errors import BackendUnavailable
 from ..ir.graph import Graph
 from ..ir.passes import optimize
@@ -42,6 +42,16 @@ class Backend(ABC):
     def check_available(self, dtype: str) -> None:
         """Raise BackendUnavailable, saying why in one line, when this backend cannot run here."""
         return None
+
+    def check_format(self, dtype: str) -> None:
+        """Refuse a block-quantized format this backend has no kernels for, naming those that do
+        (never a silent dequantization to float32 at load)."""
+        from . import QUANTIZED_ON
+
+        if FORMATS[dtype].quantized and dtype not in QUANTIZED_ON.get(self.name, ()):
+            runs = ", ".join(name for name, formats in QUANTIZED_ON.items() if dtype in formats)
+            raise BackendUnavailable(f"the {self.name} backend has no kernels for {dtype} weights yet; "
+                                     f"{dtype} runs on: {runs} (CPU)", hint="choose one of those backends, or a float --dtype")
 
     def check_device(self, device: str) -> None:
         """Raise BackendUnavailable when this backend cannot run on `device` ("cpu" or "cuda") here;

@@ -1,4 +1,5 @@
-"""oneDNN pre-packed linear weights for CPU sessions.
+"""CPU kernels behind a session's weights: oneDNN pre-packed linear weights, Linnet's own decode
+kernels (bf16 GEMV, attention) and its block-quantized linears and token tables.
 
 Decode is a chain of matrix-vector products bound by memory bandwidth. On this machine class
 F.linear (MKL) streams float32 weights at ~21 GB/s, while oneDNN's kernel over weights reordered
@@ -18,6 +19,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..dtypes import FORMATS
+from ..quant import BLOCK, dequantize
 from . import decode_kernels
 
 
@@ -117,6 +120,46 @@ class DecodeLinear(CpuLinear):
         return decode_kernels.decode_linear(x, self.weight, bias)
 
 
+class QuantLinear(CpuLinear):
+    """A weight held as GGUF blocks (q8_0, q4_0), mapped as stored: Linnet's kernel dequantizes in
+    registers (decode) or panel by panel (prompts); never a float copy of the whole weight."""
+
+    def __init__(self, blocks: torch.Tensor, handle: int, fmt: str):
+        self.out_features, self.handle = blocks.shape[0], handle
+        self.blocks, self.fmt = blocks, fmt
+
+    def eager(self, x, bias):
+        return decode_kernels.quant_linear(x, self.blocks, self.fmt, bias)
+
+
+@torch.library.custom_op("linnet::quant_rows", mutates_args=())
+def quant_rows(ids: torch.Tensor, handle: int, width: int) -> torch.Tensor:
+    """Rows `ids` of the running session's quantized table number `handle`, dequantized (float32)."""
+    return _active.kernels[handle].eager(ids)
+
+
+@quant_rows.register_fake
+def _(ids, handle, width):
+    return ids.new_empty((*ids.shape, width), dtype=torch.float32)
+
+
+class QuantTable:
+    """A token table held as GGUF blocks: the step's `embedding` dequantizes only the rows it gathers."""
+
+    def __init__(self, blocks: torch.Tensor, handle: int, fmt: str):
+        self.blocks, self.handle, self.fmt = blocks, handle, fmt
+        self.width = blocks.shape[1] // FORMATS[fmt].block_bytes * BLOCK
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> float32 rows [..., width]."""
+        if torch.compiler.is_compiling():
+            return torch.ops.linnet.quant_rows(ids, self.handle, self.width)
+        return self.eager(ids)
+
+    def eager(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize(self.blocks[ids], self.fmt)
+
+
 def linear_kernel(dtype: torch.dtype) -> type[CpuLinear] | None:
     """The kernel class for linear weights of `dtype` on this CPU: Linnet's own bf16 GEMV where
     it builds and runs, else oneDNN's packed weights where they run, else none (F.linear)."""
@@ -125,23 +168,30 @@ def linear_kernel(dtype: torch.dtype) -> type[CpuLinear] | None:
     return PackedLinear if packing_works(dtype) else None
 
 
-def pack_linear_weights(weights: dict, names: dict[str, list[str]]) -> list[CpuLinear]:
-    """Replace, in place, the weights that feed linear ops by CPU kernels; returns them in handle
-    order (empty where no kernel runs here)."""
-    sample = next(iter(weights["global"].values()))
-    kind = linear_kernel(sample.dtype) if sample.device.type == "cpu" else None
-    if kind is None:
-        return []
-    kernels: list[CpuLinear] = []
+def pack_linear_weights(weights: dict, names: dict[str, list[str]], pack: bool = True) -> list:
+    """Replace, in place, the weights that feed linear ops by CPU kernels (and a quantized token
+    table by its row gather); returns them in handle order. Float weights get a kernel only where
+    one runs here and `pack`; block-quantized ones always (Linnet's kernels are their only way)."""
+    sample = next(t for t in weights["global"].values() if isinstance(t, torch.Tensor) and t.is_floating_point())
+    kind = linear_kernel(sample.dtype) if sample.device.type == "cpu" and pack else None
+    kernels: list = []
+    format_of = getattr(weights, "format_of", lambda name: None)
     release = getattr(weights, "release", lambda name: None)  # the mapped original, once packed (a copy)
     groups = [(weights["global"], names["global"], "")]
     groups += [(layer, names["block"], f"blk.{i}.") for i, layer in enumerate(weights["layers"])]
     for group, linear_names, prefix in groups:
-        for name in linear_names:
-            group[name] = kind(group[name], len(kernels))
+        for name in group:
+            fmt = format_of(prefix + name)
+            if fmt is not None:
+                wrap = QuantLinear if name in linear_names else QuantTable
+                group[name] = wrap(group[name], len(kernels), fmt)
+            elif name in linear_names and kind is not None:
+                group[name] = kind(group[name], len(kernels))
+                if kind is PackedLinear:
+                    release(prefix + name)
+            else:
+                continue
             kernels.append(group[name])
-            if kind is PackedLinear:
-                release(prefix + name)
     return kernels
 
 

@@ -3,6 +3,9 @@
 - `gemv_bf16`: bfloat16 matrix-vector products for one or two token rows. At batch 1 a decode
   step reads every weight once; oneDNN's bf16 kernel streams ~32 GB/s on this machine class, this
   one, with AVX-512 BF16's dot product as ggml's, ~41 (microbenchmark).
+- `quant_linear`: float32 activations times weights held as GGUF q8_0 / q4_0 blocks (quant.py),
+  dequantized in registers for decode's few rows and panel by panel into at::mm for prompts, so
+  quantized weights stay compressed in memory.
 - `decode_attention`: one-token queries over the KV cache in place (float32, float16, bfloat16),
   where the generic path copies each row's keys and values and calls SDPA (~6x slower at
   Qwen3-4B's shapes, measured on a cold cache as in a step).
@@ -24,10 +27,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SOURCES = [Path(__file__).parent / "kernels" / f for f in ("gemv_bf16.cpp", "decode_attention.cpp", "bindings.cpp")]
+from ..quant import dequantize, quantize
+
+SOURCES = [Path(__file__).parent / "kernels" / f
+           for f in ("gemv_bf16.cpp", "quant_linear.cpp", "decode_attention.cpp", "bindings.cpp")]
 MAX_ROWS = 2  # token rows the kernel takes: decode steps of one or two sequences
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-fopenmp"]
+QUANT_CODES = {"q8_0": 0, "q4_0": 1}  # quant_linear's format argument
 
 
 def cpu_has_bf16_dot() -> bool:
@@ -75,6 +82,12 @@ def _self_check(ext) -> str | None:
         x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
         if not torch.allclose(ext.gemv_bf16(x, w).float(), F.linear(x, w).float(), atol=5e-2, rtol=2e-2):
             return "its GEMV disagreed with F.linear"
+    for fmt in QUANT_CODES:
+        for rows in (1, 3, 5, 11):  # the register kernel's groups and the panel path
+            x, wq = torch.randn(rows, 96, generator=g), quantize(torch.randn(40, 96, generator=g), fmt)
+            if not torch.allclose(ext.quant_linear(x, wq, QUANT_CODES[fmt]), F.linear(x, dequantize(wq, fmt)),
+                                  atol=1e-4, rtol=1e-4):
+                return f"its {fmt} linear disagreed with F.linear over the dequantized weights"
     k, v = torch.randn(2, 3, 2, 12, 32, generator=g), torch.randn(2, 3, 2, 12, 32, generator=g)  # [L, rows, KV, S, D]
     q, slots, pos = torch.randn(2, 4, 32, generator=g), torch.tensor([2, 0]), torch.tensor([11, 4])
     for window in (0, 3):
@@ -181,6 +194,12 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if ext is None or rows > MAX_ROWS or x.shape[-1] % 32 or x.dtype != torch.bfloat16:
         return F.linear(x, weight, bias)
     y = ext.gemv_bf16(x.contiguous(), weight)
+    return y if bias is None else y + bias
+
+
+def quant_linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (float32) @ W.T (+ bias), W [N, K] as `fmt` blocks [N, K / 32 * block bytes]."""
+    y = extension().quant_linear(x, blocks, QUANT_CODES[fmt])
     return y if bias is None else y + bias
 
 

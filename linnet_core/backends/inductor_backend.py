@@ -20,14 +20,13 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..dtypes import torch_dtype
+from ..dtypes import FORMATS
 from ..errors import BackendUnavailable
 from ..runtime.session import Session
 from . import cpu_kernels
 from .artifact import MIN_PROMPT_BUCKET, WEIGHTS_FILE, bucket, import_generated, load_prepared_weights, read_info, \
     warm_up
-from .cpu_kernels import add_decode_attention, pack_linear_weights
-from .torch_backend import TorchBackend, TorchSession
+from .torch_backend import TorchBackend, TorchSession, check_quantized, cpu_weights
 
 # Inductor reads its cache folder from the environment whenever it compiles; the variable is
 # the process's, so each session sets it around its own calls, one session at a time.
@@ -137,7 +136,7 @@ class InductorBackend(TorchBackend):
     name = "inductor"
     title = "inductor"
     ragged = False  # compiled per bucket of [B, T]: a mixed step runs as one call per chunk length
-    artifact_format = "5"
+    artifact_format = "6"
     mode: str | None = None  # torch.compile mode
     loads_at_compile = True  # inductor compiles by running the step (freezing needs the weights)
 
@@ -147,17 +146,15 @@ class InductorBackend(TorchBackend):
     def finish(self, out: Path) -> None:
         warm_up(self.load(out, rows=1))
 
-    def load(self, artifact: Path, rows: int, device: str | None = None, pack_weights: bool = True) -> Session:
+    def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
         configure_inductor()
-        device = device or self.default_device()
-        self.check_device(device)
         info = read_info(artifact)
+        device = device or ("cpu" if FORMATS[info["dtype"]].quantized else self.default_device())
+        self.check_device(device)
+        check_quantized(info["dtype"], device)
         module = import_generated(artifact / "model.py", "linnet_inductor")
         weights = load_prepared_weights(artifact / WEIGHTS_FILE, device)
-        kernels = []
-        if device == "cpu" and pack_weights:
-            kernels = pack_linear_weights(weights, info["linear_weights"])
-            add_decode_attention(weights, torch_dtype(info["dtype"]), info["cache"]["head_dim"])
+        kernels = cpu_weights(weights, info) if device == "cpu" else []
         return CompiledTorchSession(module, weights, kernels, info, rows, device, self.name, self.mode,
                                     artifact / "inductor_cache")
 

@@ -14,13 +14,14 @@ from typing import Any, Sequence
 import torch
 
 from .. import params as prepared
-from ..dtypes import DTYPES, torch_dtype
+from ..dtypes import FORMATS, compute_dtype, torch_dtype
 from ..errors import BackendUnavailable
 from ..ir.graph import Graph
 from ..runtime.ragged import RaggedLayout
 from ..runtime.session import Session
 from .artifact import WEIGHTS_FILE, import_generated, load_prepared_weights, read_info
 from .base import Backend
+from . import decode_kernels
 from .cpu_kernels import DecodeLinear, add_decode_attention, linear_kernel, pack_linear_weights
 from .torch_emit import emit
 
@@ -33,8 +34,28 @@ PACKED_AT_LOAD = ("float32",)
 
 
 def kernels_at_load(dtype: str) -> bool:
-    """Whether a CPU session wraps its linear weights in kernels at load (a copy only where packed)."""
-    return dtype in PACKED_AT_LOAD or linear_kernel(getattr(torch, dtype)) is DecodeLinear
+    """Whether a CPU session wraps its float linear weights in kernels at load (a copy only where packed)."""
+    return compute_dtype(dtype) in PACKED_AT_LOAD or linear_kernel(torch_dtype(dtype)) is DecodeLinear
+
+
+def cpu_weights(weights: dict, info: dict) -> list:
+    """A CPU session's weights wrapped in this CPU's kernels (in place), and the kernels in handle
+    order: linear kernels, quantized weights' kernels, the decode attention."""
+    kernels = pack_linear_weights(weights, info["linear_weights"], pack=kernels_at_load(info["dtype"]))
+    add_decode_attention(weights, torch_dtype(info["dtype"]), info["cache"]["head_dim"])
+    return kernels
+
+
+def check_quantized(dtype: str, device: str) -> None:
+    """Block-quantized weights run through Linnet's CPU kernels: refuse, in one line, where those are not."""
+    if not FORMATS[dtype].quantized:
+        return
+    if device != "cpu":
+        raise BackendUnavailable(f"{dtype} weights run on the CPU only for now (no CUDA kernels for them yet)",
+                                 hint="add --device cpu, or choose --dtype bf16 on the GPU")
+    if decode_kernels.extension() is None:
+        raise BackendUnavailable(f"{dtype} weights need Linnet's CPU kernels, and here {decode_kernels.why_not()}",
+                                 hint="choose --dtype bf16 or float32")
 
 
 class TorchSession(Session):
@@ -77,14 +98,16 @@ class TorchBackend(Backend):
     title = "generated PyTorch"
 
     ragged = True  # the serving engine's mixed steps run as one call
-    artifact_format = "8"
+    artifact_format = "9"
 
     def toolchain(self) -> dict[str, str]:
         return {"torch": torch.__version__, "format": self.artifact_format}
 
     def check_available(self, dtype: str) -> None:
-        if dtype not in DTYPES:
+        if dtype not in FORMATS:
             raise BackendUnavailable(f"the {self.name} backend has no dtype '{dtype}'")
+        if FORMATS[dtype].quantized:
+            check_quantized(dtype, "cpu")
 
     def emit(self, graph: Graph, dtype: str, cache_len: int, out: Path) -> None:
         (out / "model.py").write_text(emit(graph))
@@ -92,14 +115,13 @@ class TorchBackend(Backend):
     def artifact_extra(self, graph: Graph) -> dict[str, Any]:
         return {"linear_weights": prepared.linear_weights(graph)}
 
-    def load(self, artifact: Path, rows: int, device: str | None = None, pack_weights: bool = True) -> Session:
-        device = device or self.default_device()
-        self.check_device(device)
+    def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
         info = read_info(artifact)
+        device = device or ("cpu" if FORMATS[info["dtype"]].quantized else self.default_device())
+        self.check_device(device)
+        check_quantized(info["dtype"], device)
         module = import_generated(artifact / "model.py", "linnet_generated")
         weights = load_prepared_weights(artifact / WEIGHTS_FILE, device)
-        if device == "cpu" and pack_weights:
-            if kernels_at_load(info["dtype"]):
-                pack_linear_weights(weights, info["linear_weights"])
-            add_decode_attention(weights, torch_dtype(info["dtype"]), info["cache"]["head_dim"])
+        if device == "cpu":
+            cpu_weights(weights, info)
         return TorchSession(module, weights, info, rows, device, self.name)

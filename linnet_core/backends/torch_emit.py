@@ -32,6 +32,13 @@ def linear(x, weight, bias=None):
     return F.linear(x, weight, bias)
 
 
+def embedding(ids, table):
+    """Rows `ids` of the token table; a block-quantized table (a callable) dequantizes just those."""
+    if callable(table):
+        return table(ids)
+    return F.embedding(ids, table)
+
+
 def rms_norm(x, weight, eps):
     """x / rms(x) * weight over the last axis; the statistics in float32."""
     dtype = x.dtype
@@ -118,7 +125,7 @@ FUSED_ATTENTION = 'decode_attention = g.get("decode_attention")  # the runtime\'
 TEMPLATES: dict[str, str] = {
     "positions": "{out} = {a}[:, None] + torch.arange(T, device=ids.device)",
     "rope_table": "{out} = rope_table({a}, ROPE_INV_FREQ, dtype)",
-    "embedding": "{out} = F.embedding({a}, {b})",
+    "embedding": "{out} = embedding({a}, {b})",
     "rms_norm": "{out} = rms_norm({a}, {b}, {eps})",
     "linear": "{out} = linear({args})",
     "split": "{out} = {a}.split({sizes}, dim=-1)",

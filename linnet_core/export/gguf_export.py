@@ -22,12 +22,13 @@ from ..ir.rope import inv_freq
 from ..models import GgufLayout, build_graph, gguf_layout
 from ..models.spec import ModelSpec
 from ..params import materialize, release_sources
+from ..quant import param_formats, quantize
 from ..tokenizer import read_chat_template
 from ..weights import Checkpoint
 from . import ExportResult, output_file, summarize
 from .gguf_vocab import GgufVocab, read_vocab
 
-GGUF_FORMATS = ("float32", "float16", "bfloat16", "q8_0")  # the storage formats this export writes
+GGUF_FORMATS = ("float32", "float16", "bfloat16", "q8_0", "q4_0")  # the storage formats this export writes
 GGUF_DTYPES = tuple(FORMATS[f].gguf for f in GGUF_FORMATS)  # as llama.cpp names them: f32 ... q8_0
 
 
@@ -65,7 +66,7 @@ def rope_freq_factors(spec: ModelSpec) -> np.ndarray:
 @dataclass
 class _Tensor:
     """One GGUF tensor: its name and ggml type, how the writer declares it, and a function that
-    makes its data when it is written (bf16 and q8_0 as raw bytes)."""
+    makes its data when it is written (bf16 and block-quantized types as raw bytes)."""
 
     name: str
     qtype: object
@@ -79,6 +80,10 @@ class _Tensor:
 def _plan(spec: ModelSpec, layout: GgufLayout, ckpt: Checkpoint, dtype: str, gguf) -> list[_Tensor]:
     Q = gguf.GGMLQuantizationType
     graph = build_graph(spec)  # unfused: one param per checkpoint tensor, named by llama.cpp role
+    fmt = normalize_format(dtype)
+    # A quantized export stores each weight as a Linnet artifact of that dtype does (quant.py), block
+    # for block the same bytes; a float one casts every matrix and keeps vectors in f32.
+    formats = param_formats(graph, fmt) if FORMATS[fmt].quantized else None
     plan: list[_Tensor] = []
     for full, p, layer in graph.all_params():
         if full == "output.weight" and spec.tie_word_embeddings:
@@ -94,9 +99,10 @@ def _plan(spec: ModelSpec, layout: GgufLayout, ckpt: Checkpoint, dtype: str, ggu
             release_sources(p, layer, ckpt)
             return permute_for_interleaved_rope(w, heads) if permute else w
 
-        qtype = Q.F32 if len(p.shape) == 1 else Q[dtype.upper()]
-        if qtype == Q.Q8_0 and p.shape[-1] % 32:
-            qtype = Q.F16  # rows that are not whole Q8_0 blocks stay f16, as llama.cpp's converter does
+        if formats is not None:
+            qtype = Q[FORMATS[formats[full]].gguf.upper()]
+        else:
+            qtype = Q.F32 if len(p.shape) == 1 else Q[dtype.upper()]
         plan.append(_tensor(gname, p.shape, qtype, weight, gguf))
     if spec.rope.type == "llama3":
         factors = rope_freq_factors(spec)
@@ -108,7 +114,7 @@ def _tensor(name: str, shape: tuple[int, ...], qtype, weight: Callable[[], torch
     Q = gguf.GGMLQuantizationType
     block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     nbytes = int(np.prod(shape)) // block * block_bytes
-    raw = qtype in (Q.BF16, Q.Q8_0)
+    raw = qtype in (Q.BF16, Q.Q8_0, Q.Q4_0)
 
     def make() -> np.ndarray:
         w = weight()
@@ -118,7 +124,7 @@ def _tensor(name: str, shape: tuple[int, ...], qtype, weight: Callable[[], torch
             return w.half().numpy()
         if qtype == Q.BF16:  # torch rounds to nearest even, as ggml does
             return w.bfloat16().view(torch.uint8).numpy()
-        return gguf.quants.quantize(w.float().numpy(), qtype)
+        return quantize(w, qtype.name.lower()).numpy()  # the artifact's quantizer: the same blocks
 
     if raw:
         return _Tensor(name, qtype, gguf.quants.quant_shape_to_byte_shape(shape, qtype), np.dtype(np.uint8), nbytes,
@@ -151,7 +157,8 @@ def _metadata(w, spec: ModelSpec, layout: GgufLayout, vocab: GgufVocab, dtype: s
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.rope.factor)
     w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                     "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
+                     "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                     "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[dtype])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     words, needed = layout.name_needs_tokens
     if not any(word in name.lower() for word in words) or all(t in vocab.tokens for t in needed):

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..compile import Model
-from ..dtypes import normalize_dtype
+from ..dtypes import FORMATS, normalize_dtype, normalize_format
 from ..errors import BackendUnavailable, CheckpointError, InputError, VerifyFailed
 from ..reference import quiet_transformers, reference_dtype, reference_run, run_reference
 from ..tokenizer import Tokenizer
@@ -168,7 +168,9 @@ def check_gguf(model: Model, file: Path, dtype: str, consumer: str | None = None
     ids = prompt_ids(model, None)
     steps = max(1, min(GGUF_STEPS, context // 2))
     ids = ids[:max(1, context - steps)]
-    ref = reference_run(model.path, ids, steps, reference_dtype(model.spec, dtype))
+    fmt = normalize_format(dtype)  # quantized: the reference computes on the file's dequantized blocks
+    ref = reference_run(model.path, ids, steps, reference_dtype(model.spec, dtype),
+                        quantized=(model.spec, fmt) if FORMATS[fmt].quantized else None)
     if consumer == "llama.cpp":
         logits, match = _run_llamacpp(model, file, ids, ref.tokens[:steps])
         name = f"llama.cpp (llama-cpp-python {_version('llama-cpp-python')})"

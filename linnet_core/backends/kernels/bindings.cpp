@@ -5,8 +5,10 @@ torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                int64_t layer, const torch::Tensor& slots, const torch::Tensor& pos, int64_t window,
                                double scale);
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16, "bf16 x [M<=2, K] @ w [N, K].T");
+  m.def("quant_linear", &quant_linear, "float32 x [..., K] @ W.T, W as GGUF q8_0 (0) / q4_0 (1) blocks [N, K/32*bb]");
   m.def("decode_attention", &decode_attention, "one-token queries [B, H, D] over the KV cache in place");
 }

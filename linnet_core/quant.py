@@ -1,0 +1,131 @@
+"""Block-quantized weights in GGUF's exact layouts (q8_0, q4_0), and which weights a model stores so.
+
+A block is 32 consecutive weights of a row: an f16 scale d, then 32 int8 (q8_0: w = d * q) or 16
+bytes of 4-bit values (q4_0: byte j holds weights j and j + 16 in its low and high nibble, w =
+d * (q - 8)). `quantize` gives the same bytes as the `gguf` package's quantizer (ggml's reference
+rounding), so an artifact and its GGUF export hold identical weights and llama.cpp computes on the
+very numbers Linnet does. Tensors are [rows, K] in, [rows, K / 32 * block_bytes] uint8 out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dtypes import FORMATS, compute_dtype
+from .ir.graph import Graph
+
+BLOCK = 32
+HEAD_FORMAT = "q8_0"  # the output head (and a table tied to it): llama.cpp keeps it wider too (q6_K for q4_0)
+
+
+def _roundf(x: torch.Tensor) -> torch.Tensor:
+    """Round half away from zero, as ggml's roundf and the gguf package's np_roundf."""
+    a = x.abs()
+    floored = a.floor()
+    return x.sign() * (floored + (2 * (a - floored)).floor())
+
+
+def quantize(w: torch.Tensor, fmt: str, chunk: int = 1 << 22) -> torch.Tensor:
+    """w [..., K] (K a multiple of 32) -> uint8 blocks [..., K / 32 * block_bytes] of `fmt`, made
+    `chunk` weights at a time so the float32 temporaries stay small beside a large weight."""
+    *lead, k = w.shape
+    flat = w.reshape(-1, BLOCK)  # [nb, 32]
+    step = max(1, chunk // BLOCK)
+    out = torch.cat([_quantize_blocks(flat[i:i + step].float(), fmt) for i in range(0, flat.shape[0], step)])
+    return out.reshape(*lead, k // BLOCK * FORMATS[fmt].block_bytes)
+
+
+def _quantize_blocks(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """float32 [nb, 32] -> uint8 [nb, block_bytes]."""
+    if fmt == "q8_0":
+        d = blocks.abs().amax(dim=1, keepdim=True) / 127  # [nb, 1]
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        qs = _roundf(blocks * inv).to(torch.int8).view(torch.uint8)  # [nb, 32]
+    elif fmt == "q4_0":
+        imax = blocks.abs().argmax(dim=1, keepdim=True)
+        d = blocks.gather(1, imax) / -8  # [nb, 1]: the largest magnitude maps to -8
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        q = torch.trunc(blocks * inv + 8.5).clamp(0, 15).to(torch.uint8)  # [nb, 32]
+        qs = q[:, :16] | (q[:, 16:] << 4)  # [nb, 16]
+    else:
+        raise ValueError(f"no block quantizer for '{fmt}'")
+    scale = d.to(torch.float16).view(torch.uint8)  # [nb, 2]
+    return torch.cat([scale, qs], dim=1)
+
+
+def dequantize(q: torch.Tensor, fmt: str) -> torch.Tensor:
+    """uint8 blocks [..., nb * block_bytes] of `fmt` -> float32 weights [..., nb * 32]."""
+    *lead, nbytes = q.shape
+    blocks = q.reshape(-1, FORMATS[fmt].block_bytes)  # [nb, bb]
+    d = blocks[:, :2].contiguous().view(torch.float16).float()  # [nb, 1]
+    if fmt == "q8_0":
+        w = blocks[:, 2:].contiguous().view(torch.int8).float()  # [nb, 32]
+    elif fmt == "q4_0":
+        packed = blocks[:, 2:]  # [nb, 16]
+        w = torch.cat([packed & 0x0F, packed >> 4], dim=1).float() - 8  # [nb, 32]
+    else:
+        raise ValueError(f"no block dequantizer for '{fmt}'")
+    return (w * d).reshape(*lead, nbytes // FORMATS[fmt].block_bytes * BLOCK)
+
+
+def stored_shape(shape: tuple[int, ...], fmt: str) -> tuple[int, ...]:
+    """The shape a [rows, K] weight has in a file: as it is, or its blocks' bytes as uint8."""
+    if not FORMATS[fmt].quantized:
+        return tuple(shape)
+    return (*shape[:-1], shape[-1] // BLOCK * FORMATS[fmt].block_bytes)
+
+
+def param_formats(graph: Graph, fmt: str) -> dict[str, str]:
+    """Each param's storage format under `--dtype fmt` (full names, as graph.all_params gives them).
+
+    A quantized choice applies to the weights of linear ops and the token table, as llama.cpp's
+    quantizer does; the output head (and a table tied to it) is HEAD_FORMAT; a weight whose input
+    size is not a whole number of blocks, norms and biases stay in the compute dtype."""
+    compute = compute_dtype(fmt)
+    out = {full: compute for full, _, _ in graph.all_params()}
+    if not FORMATS[fmt].quantized:
+        return out
+    block_linear = {n.inputs[1] for n in graph.block.nodes if n.op == "linear"}
+    head = {n.inputs[1] for n in graph.epilogue if n.op == "linear"}
+    global_linear = head | {n.inputs[1] for n in graph.prologue + graph.epilogue if n.op in ("linear", "embedding")}
+    sources: dict[tuple, list[str]] = {}
+    for full, p, layer in graph.all_params():
+        local = full if layer is None else full.split(".", 2)[2]
+        if local in (global_linear if layer is None else block_linear) and len(p.shape) == 2 \
+                and p.shape[-1] % BLOCK == 0:
+            out[full] = HEAD_FORMAT if local in head else fmt
+        sources.setdefault(tuple(p.sources(layer)), []).append(full)
+    for names in sources.values():  # a table tied to the head is stored once, as the head is
+        if len(names) > 1 and any(out[n] == HEAD_FORMAT for n in names):
+            for n in names:
+                out[n] = HEAD_FORMAT if FORMATS[out[n]].quantized else out[n]
+    return out
+
+
+def kept_wide(graph: Graph, fmt: str) -> list[str]:
+    """Weights of linear ops that stay in the compute dtype under a quantized `fmt`: their input
+    size is not a multiple of the block (the compile summary names them)."""
+    if not FORMATS[fmt].quantized:
+        return []
+    formats = param_formats(graph, fmt)
+    names = set()
+    for full, p, layer in graph.all_params():
+        local = full if layer is None else full.split(".", 2)[2]
+        nodes = graph.block.nodes if layer is not None else graph.prologue + graph.epilogue
+        if any(n.op == "linear" and n.inputs[1] == local for n in nodes) and not FORMATS[formats[full]].quantized:
+            names.add(local)
+    return sorted(names)
+
+
+def summary(graph: Graph, fmt: str) -> str | None:
+    """One line on how a quantized choice stores the weights (None for a float one), naming any
+    linear weight kept in the compute dtype for an input size that is not a whole number of blocks."""
+    if not FORMATS[fmt].quantized:
+        return None
+    quantized = sum(FORMATS[f].quantized for f in param_formats(graph, fmt).values())
+    line = (f"weights: {quantized} tensors in {fmt} blocks (the output head in {HEAD_FORMAT}), "
+            f"norms and biases in {compute_dtype(fmt)}")
+    wide = kept_wide(graph, fmt)
+    if wide:
+        line += f"; kept in {compute_dtype(fmt)}, input size not a multiple of {BLOCK}: {', '.join(wide)}"
+    return line
