@@ -20,12 +20,14 @@ CASE = "qwen2-bias-tied"
 CACHE = 96
 
 
-# torch takes a step as one call per chunk length; ONNX Runtime's graph takes it in one ragged call.
-@pytest.fixture(scope="module", params=["torch"] + ["onnxruntime"] * HAVE["onnxruntime"])
+# torch takes a step as one call per chunk length; ONNX Runtime's graph takes it in one ragged call; the
+# engine is backend- and format-agnostic, q4_0 weights included.
+@pytest.fixture(scope="module", params=["torch", "torch:q4_0"] + ["onnxruntime"] * HAVE["onnxruntime"])
 def model(request, tokenized_checkpoints):
     path = tokenized_checkpoints[CASE]
-    batched, _ = load_model(path, request.param, "float32", CACHE, rows=4)
-    alone, _ = load_model(path, request.param, "float32", CACHE, rows=1)
+    backend, _, dtype = request.param.partition(":")
+    batched, _ = load_model(path, backend, dtype or "float32", CACHE, rows=4)
+    alone, _ = load_model(path, backend, dtype or "float32", CACHE, rows=1)
     return batched, alone, Tokenizer(path)
 
 

@@ -1,0 +1,162 @@
+"""q8_0 / q4_0 weights: GGUF's blocks bit for bit, Linnet's CPU kernels against a float32 reference
+over the same dequantized weights on every family, the same bytes in a GGUF export (and llama.cpp
+computing on them), and one-line refusals where a backend has no kernels."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from family_fixtures import CASES, FAMILY_CASES, make_checkpoint
+from test_cli import assert_one_line_error, invoke
+
+from linnet_core.backends import decode_kernels
+from linnet_core.quant import dequantize, param_formats, quantize, summary
+
+FORMATS = ["q8_0", "q4_0"]
+needs_kernels = pytest.mark.skipif(decode_kernels.extension() is None,
+                                   reason=f"Linnet's CPU kernels do not run here: {decode_kernels.why_not()}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_blocks_are_the_gguf_packages_bit_for_bit(fmt):
+    gguf = pytest.importorskip("gguf")
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(70, 128, generator=g) * torch.rand(70, 1, generator=g) * 4  # [rows, K]
+    w[0, :32] = 0  # an all-zero block: scale 0
+    w[1, 7], w[2, 40] = 1e4, -3e-6  # an outlier, a tiny value
+    w[3, :32] = torch.linspace(-1, 1, 32)  # exact halves on the rounding boundary
+    qtype = gguf.GGMLQuantizationType[fmt.upper()]
+    ours = quantize(w, fmt, chunk=64 * 32)  # several chunks
+    assert np.array_equal(ours.numpy(), gguf.quants.quantize(w.numpy(), qtype))
+    assert np.array_equal(dequantize(ours, fmt).numpy(), gguf.quants.dequantize(ours.numpy(), qtype))
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 4, 6, 9, 40])
+def test_kernel_is_a_float32_matmul_over_the_dequantized_weights(fmt, rows):
+    g = torch.Generator().manual_seed(rows)
+    blocks = quantize(torch.randn(300, 256, generator=g), fmt)  # 300 rows: a remainder past the groups
+    x, bias = torch.randn(rows, 256, generator=g), torch.randn(300, generator=g)
+    got = decode_kernels.quant_linear(x, blocks, fmt, bias)
+    assert torch.allclose(got, torch.nn.functional.linear(x, dequantize(blocks, fmt), bias), atol=1e-4, rtol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", FAMILY_CASES)
+def test_every_family_matches_the_dequantized_reference(case, fmt, checkpoints, session_cache):
+    from linnet_core.cache import ArtifactCache
+    from linnet_core.verify import verify
+
+    r = verify(checkpoints[case], "torch", fmt, steps=6, cache_len=64, cache=ArtifactCache(session_cache))
+    assert r.passed and r.tokens_match, r.to_json()
+    assert r.distance <= r.tolerance and r.tolerance < 1e-3 * max(1.0, r.tolerance * 1e4)  # float32's tolerance
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_inductor_runs_the_same_kernels(fmt, checkpoints, session_cache):
+    from linnet_core.cache import ArtifactCache
+    from linnet_core.verify import verify
+
+    r = verify(checkpoints["qwen2-bias-tied"], "inductor", fmt, steps=4, cache_len=64,
+               cache=ArtifactCache(session_cache))
+    assert r.passed and r.tokens_match, r.to_json()
+
+
+@needs_kernels
+def test_the_session_holds_blocks_not_floats(checkpoints, session_cache):
+    from linnet_core.backends.cpu_kernels import QuantLinear, QuantTable
+    from linnet_core.cache import ArtifactCache
+    from linnet_core.compile import load_model
+
+    session, compiled = load_model(checkpoints["llama-gqa-untied"], "torch", "q4_0", 64,
+                                   cache=ArtifactCache(session_cache), device="cpu")
+    layer = session.weights["layers"][0]
+    linears = [w for w in layer.values() if isinstance(w, QuantLinear)]
+    assert linears and all(w.blocks.dtype == torch.uint8 and w.fmt == "q4_0" for w in linears)
+    assert isinstance(session.weights["global"]["token_embd.weight"], QuantTable)
+    assert session.weights["global"]["output.weight"].fmt == "q8_0"  # the head, as llama.cpp keeps it wider
+    assert compiled.artifact.name.split("-")[-3] == "q4_0"  # the format is part of the cache key
+
+
+def test_a_tied_table_is_stored_once_as_the_head(checkpoints):
+    from linnet_core.models import build_graph, load_spec
+    from linnet_core.params import layout
+
+    graph = build_graph(load_spec(checkpoints["qwen2-bias-tied"]))
+    formats = param_formats(graph, "q4_0")
+    assert formats["token_embd.weight"] == formats["output.weight"] == "q8_0"
+    entries, aliases = layout(graph, "q4_0")
+    assert aliases == {"output.weight": "token_embd.weight"}
+    assert {n: d for n, _, d in entries}["blk.0.attn_q.weight"] == torch.uint8
+
+
+@needs_kernels
+def test_an_input_size_off_the_block_stays_float32_and_the_summary_says_so(tmp_path, session_cache):
+    from linnet_core.cache import ArtifactCache
+    from linnet_core.models import build_graph, load_spec
+    from linnet_core.verify import verify
+
+    case = next(c for c in CASES if c.id == "llama-gqa-untied")
+    folder = make_checkpoint(case, tmp_path / "odd", intermediate_size=72)  # ffn_down takes 72 inputs
+    line = summary(build_graph(load_spec(folder)), "q8_0")
+    assert "input size not a multiple of 32: ffn_down.weight" in line
+    r = verify(folder, "torch", "q8_0", steps=4, cache_len=64, cache=ArtifactCache(session_cache))
+    assert r.passed and r.tokens_match
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "jax", "stablehlo", "tensorrt", "cudagraphs"])
+def test_backends_without_kernels_refuse_in_one_line(backend, checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setenv("LINNET_CACHE", str(tmp_path / "cache"))
+    r = invoke("compile", checkpoints["llama-gqa-untied"], "--backend", backend, "--dtype", "q4")
+    assert_one_line_error(r, 1, f"the {backend} backend has no kernels for q4_0 weights yet; q4_0 runs on: torch, "
+                                "inductor (CPU)")
+    assert not any((tmp_path / "cache").glob("artifacts/*"))  # nothing half-written
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="gguf is not installed")
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_gguf_export_holds_the_artifacts_very_blocks(fmt, tokenized_checkpoints, session_cache, tmp_path):
+    """Byte for byte, tensor by tensor (a fused artifact weight is the export's rows side by side);
+    and llama.cpp, where installed, computes on them within its own activation rounding."""
+    from linnet_core.backends.artifact import WEIGHTS_FILE
+    from linnet_core.cache import ArtifactCache
+    from linnet_core.compile import compile_model
+    from linnet_core.export.gguf_export import export_gguf
+    from linnet_core.export.gguf_read import read_gguf
+    from linnet_core.weights import Checkpoint
+
+    src = tokenized_checkpoints["qwen3-headdim128"]  # rope not interleaved in llama.cpp: rows as stored
+    consumer = "llama.cpp" if importlib.util.find_spec("llama_cpp") else None
+    result = export_gguf(src, tmp_path / "m.gguf", fmt, check=consumer is not None, consumer=consumer)
+    if consumer:
+        assert result.check.passed and result.check.top1_agreement >= 0.9, result.check.describe()
+    artifact = compile_model(src, "torch", fmt, 64, cache=ArtifactCache(session_cache)).artifact
+    stored = Checkpoint([artifact / WEIGHTS_FILE])
+    with read_gguf(tmp_path / "m.gguf") as g:
+        def raw(name):
+            return np.frombuffer(bytes(g.raw(name)), dtype=np.uint8)  # a copy: the file closes after
+
+        tied = "output.weight" not in g.tensors  # then the table is the head, and stored as the head is
+        for name in ("blk.0.ffn_down.weight", "blk.1.attn_output.weight", "token_embd.weight") + ("output.weight",) * (not tied):
+            head = name == "output.weight" or (tied and name == "token_embd.weight")
+            assert g.tensors[name].type == ("Q8_0" if head else fmt.upper())
+            assert np.array_equal(raw(name).reshape(-1), stored.get(name).numpy().reshape(-1)), name
+        qkv = stored.get("blk.0.attn_qkv.weight").numpy()
+        parts = [raw(f"blk.0.attn_{p}.weight").reshape(-1, qkv.shape[1]) for p in "qkv"]
+        assert np.array_equal(np.concatenate(parts), qkv)
+
+
+@needs_kernels
+def test_run_takes_the_quantized_spelling(tokenized_checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setenv("LINNET_CACHE", str(tmp_path / "cache"))
+    r = invoke("run", tokenized_checkpoints["mistral-window"], "--dtype", "q4", "--cache-len", "64",
+               "--prompt", "hello there", "--max-new-tokens", "5")
+    assert r.exit_code == 0, r.output
+    assert "torch q4_0" in r.output
