@@ -127,7 +127,10 @@ def test_decode_bytes_count_weights_once_and_the_kv_cache(checkpoints):
     per_layer = H * q + 2 * H * kv + q * H + 3 * H * F + 2 * H
     weights = (L * per_layer + H + V * H) * 4
     kv_bytes = L * 2 * kv * 4 * 10.0 * 2
-    assert decode_bytes_per_step(spec, 4, 10.0, 2) == weights + kv_bytes
+    assert decode_bytes_per_step(spec, "float32", 10.0, 2) == weights + kv_bytes
+    # q8_0: every matrix but the gathered table in 34-byte blocks of 32, the norms and the cache float32
+    blocks = (L * (per_layer - 2 * H) + V * H) // 32 * 34 + (L * 2 * H + H) * 4
+    assert decode_bytes_per_step(spec, "q8_0", 10.0, 2) == blocks + kv_bytes
 
 
 def test_numbers_read_like_the_pages():

@@ -33,7 +33,7 @@ SOURCES = [Path(__file__).parent / "kernels" / f
            for f in ("gemv_bf16.cpp", "quant_linear.cpp", "decode_attention.cpp", "bindings.cpp")]
 MAX_ROWS = 2  # token rows the kernel takes: decode steps of one or two sequences
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-fopenmp"]
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-fopenmp"]
 QUANT_CODES = {"q8_0": 0, "q4_0": 1}  # quant_linear's format argument
 
 

@@ -54,20 +54,25 @@ def stream_bandwidth(device: str, mib: int = 1024, repeats: int = 10, threads: i
         torch.set_num_threads(previous)
 
 
-def decode_bytes_per_step(spec: ModelSpec, dtype_bytes: int, mean_position: float, batch: int) -> float:
+def decode_bytes_per_step(spec: ModelSpec, dtype: str, mean_position: float, batch: int) -> float:
     """Bytes one decode step must read: every weight except the embedding table (a gather reads one
-    row; a tied head is read in full as the output projection), and each row's KV cache so far."""
+    row; a tied head is read in full as the output projection) in the format `dtype` stores it
+    (quantized blocks included), and each row's KV cache so far in the compute dtype."""
+    from ..dtypes import FORMATS, compute_dtype
     from ..models import build_graph
+    from ..quant import param_formats
 
+    graph = build_graph(spec)
+    formats = param_formats(graph, dtype)
     weights = 0
-    for full, p, _ in build_graph(spec).all_params():
+    for full, p, _ in graph.all_params():
         if full != "token_embd.weight":
             n = 1
             for d in p.shape:
                 n *= d
-            weights += n * dtype_bytes
-    kv = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * dtype_bytes * mean_position * batch
-    return weights + kv
+            weights += FORMATS[formats[full]].nbytes(n)
+    kv = FORMATS[compute_dtype(dtype)].nbytes(spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim)
+    return weights + kv * mean_position * batch
 
 
 def peak_rss(pid: int | str = "self") -> int | None:

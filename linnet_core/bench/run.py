@@ -27,6 +27,7 @@ import numpy as np
 
 from ..compile import Model, compile_model, open_model, pick_dtype
 from ..backends import get_backend
+from ..dtypes import FORMATS
 from ..errors import CacheError, LinnetError
 from ..memory import check_fits
 from .machine import decode_bytes_per_step, environment, stream_bandwidth
@@ -34,7 +35,6 @@ from .subjects import BASELINE, Method, Subject, why_missing
 
 LOAD_TIMEOUT_S = 3600.0  # a compiled comparator may compile for minutes while loading
 RUN_TIMEOUT_S = 1800.0
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass
@@ -214,8 +214,7 @@ def _prepare(side: Side, m: Model, dtype: str, method: Method, workdir: Path, re
 
         reporter.stage("exporting GGUF for llama.cpp")
         out = workdir / "model.gguf"
-        side.prepare_s = export_gguf(m, out, {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}[dtype],
-                                     force=True, check=False).seconds
+        side.prepare_s = export_gguf(m, out, FORMATS[dtype].gguf, force=True, check=False).seconds
         return {"gguf": str(out)}
     if s.key in ("vllm", "sglang"):
         from ..export.hf_export import export_hf
@@ -247,7 +246,7 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
     rng = np.random.default_rng(method.seed)
     prompts = [rng.integers(0, m.spec.vocab_size, method.prompt_tokens).tolist() for _ in range(method.batch)]
     result = BenchResult(str(m.resolved.name), m.spec.to_json(), dtype, method, environment(device), 0.0,
-                         decode_bytes_per_step(m.spec, DTYPE_BYTES[dtype],
+                         decode_bytes_per_step(m.spec, dtype,
                                                method.prompt_tokens + method.new_tokens / 2, method.batch), sides)
     try:
         for side in sides:

@@ -10,18 +10,20 @@ import importlib.util
 from dataclasses import asdict, dataclass
 
 from ..backends import BACKEND_NAMES, get_backend
+from ..dtypes import FORMATS
 from ..errors import BackendUnavailable, InputError
 
 BASELINE = "transformers"
 # key -> (label, stack, what it is, for the notes column)
 COMPARATORS = {
-    "transformers": ("transformers", "PyTorch", "the reference: eager, its dynamic KV cache"),
+    "transformers": ("transformers", "PyTorch", "the reference: eager, its dynamic KV cache (q8_0/q4_0: float32 "
+                                                "over the dequantized blocks)"),
     "transformers-compiled": ("transformers, compiled", "PyTorch",
                               "its forward under torch.compile (fullgraph) over a static cache; "
                               "its load time includes the compile"),
     "llama.cpp": ("llama.cpp on Linnet's GGUF", "LLM engines",
-                  "linnet.export_gguf in the bench dtype, then llama-cpp-python with its defaults (f16 KV "
-                  "cache); one sequence"),
+                  "linnet.export_gguf in the bench dtype (q8_0/q4_0: the artifact's very blocks), then "
+                  "llama-cpp-python with its defaults (f16 KV cache); one sequence"),
     "vllm": ("vLLM on Linnet's export", "LLM engines", "linnet.export_hf, then vLLM's offline LLM"),
     "sglang": ("SGLang on Linnet's export", "LLM engines", "linnet.export_hf, then SGLang's offline Engine"),
 }
@@ -106,6 +108,7 @@ def why_missing(subject: Subject, dtype: str, batch: int, device: str = "cpu") -
         try:
             backend = get_backend(subject.backend)
             backend.check_device(device)  # first: "no CUDA provider" says more than "no CPU bf16 kernel"
+            backend.check_format(dtype)
             backend.check_available(dtype)
         except BackendUnavailable as e:
             return e.message + (f" ({e.hint})" if e.hint else "")
@@ -120,8 +123,8 @@ def why_missing(subject: Subject, dtype: str, batch: int, device: str = "cpu") -
 
         if not torch.cuda.is_available():
             return f"{subject.key} needs a CUDA GPU; none is present here"
+    if subject.key in ("vllm", "sglang") and FORMATS[dtype].quantized:
+        return f"Linnet's Hugging Face export has no {dtype} weights"
     if subject.key == "llama.cpp" and batch != 1:
         return "llama-cpp-python runs one sequence: batch 1 only"
-    if subject.key == "llama.cpp" and dtype not in ("float32", "float16", "bfloat16"):
-        return f"no GGUF type for {dtype}"
     return None

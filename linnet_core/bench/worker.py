@@ -118,7 +118,14 @@ class TransformersRunner:
         logging.set_verbosity_error()
         logging.disable_progress_bar()
         self.torch, self.device, self.batch = torch, cfg["device"], cfg["batch"]
-        self.model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=getattr(torch, cfg["dtype"])).eval()
+        from ..dtypes import FORMATS, torch_dtype
+
+        self.model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch_dtype(cfg["dtype"])).eval()
+        if FORMATS[cfg["dtype"]].quantized:  # float32 over the dequantized blocks: distances are kernels' alone
+            from ..compile import open_model
+            from ..reference import as_quantized
+
+            as_quantized(self.model, open_model(cfg["model"]).spec, cfg["dtype"])
         self.model.to(self.device)
         self.cache = None
         if compiled:

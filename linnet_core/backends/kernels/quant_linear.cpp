@@ -53,7 +53,11 @@ void gemv_rows(const float* x, const uint8_t* w, int64_t K, int64_t N, int64_t n
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < K / BLOCK; ++b) {
       __m512 lo[R], hi[R];
-      for (int r = 0; r < R; ++r) dequant_block<F>(w + (n + r) * row_bytes + b * block_bytes(F), lo[r], hi[r]);
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* blk = w + (n + r) * row_bytes + b * block_bytes(F);
+        _mm_prefetch((const char*)(blk + R * row_bytes), _MM_HINT_T0);  // the next group's rows: streams
+        dequant_block<F>(blk, lo[r], hi[r]);                             // too short for the prefetcher
+      }
       for (int m = 0; m < M; ++m) {
         const __m512 x0 = _mm512_loadu_ps(x + m * K + b * BLOCK), x1 = _mm512_loadu_ps(x + m * K + b * BLOCK + 16);
         for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(hi[r], x1, _mm512_fmadd_ps(lo[r], x0, acc[m][r]));
