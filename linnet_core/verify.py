@@ -20,6 +20,7 @@ from .compile import Model, compile_model, load_model, open_model
 from .errors import CheckpointError, InputError
 from .memory import check_fits
 from .dtypes import FORMATS, compute_dtype
+from .quant_effect import measure, text_ids
 from .reference import as_quantized, reference_dtype, reference_run, run_reference
 from .tokenizer import Tokenizer
 
@@ -44,6 +45,7 @@ class VerifyReport:
     backend_tokens: list[int]
     artifact: str
     seconds: float
+    quantization: dict | None = None  # quantized weights: their effect against the float model (quant_effect)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -102,6 +104,11 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
     # model as big as memory allows is never held twice.
     ref_dtype = "float32" if reference is not None else reference_dtype(m.spec, compiled.dtype)
     quantized = FORMATS[compiled.dtype].quantized  # then the reference computes on the same dequantized weights
+    effect_text, effect_ids, original = None, [], None
+    if quantized:  # and the original float model's logits over a real text, for quantization's own cost
+        effect_text, effect_ids = text_ids(m, compiled.cache_len)
+        original = run_reference(reference, effect_ids, 0) if reference is not None else \
+            reference_run(m.path, effect_ids, 0, ref_dtype)
     if reference is not None and quantized:  # a copy: the caller's model stays as it was
         reference = copy.deepcopy(reference)
         as_quantized(reference, m.spec, compiled.dtype)
@@ -117,9 +124,14 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
     distance, tolerance, top1 = compare_logits(logits, ref.logits, compute_dtype(compiled.dtype))
     if ref_dtype != "float32":  # the reference rounds as much as the backend: two errors, not one
         tolerance *= 2
+    effect = None
+    if original is not None:
+        got_text = session.prefill(effect_ids, logits="all").logits[0]  # [T, V]
+        effect = measure(original.logits, got_text, effect_ids, compiled.dtype, effect_text)
     return VerifyReport(
         model=m.resolved.name, backend=compiled.backend, dtype=compiled.dtype, prompt_tokens=len(ids), steps=steps,
         distance=distance, tolerance=tolerance, top1_agreement=top1, tokens_match=tokens == ref.tokens,
-        passed=bool(distance <= tolerance), reference_dtype=ref_dtype, reference_tokens=ref.tokens, backend_tokens=tokens,
+        passed=bool(distance <= tolerance and (effect is None or effect.passed)), reference_dtype=ref_dtype, reference_tokens=ref.tokens, backend_tokens=tokens,
         artifact=str(compiled.artifact), seconds=time.perf_counter() - t0,
+        quantization=effect.to_json() if effect else None,
     )

@@ -160,3 +160,36 @@ def test_run_takes_the_quantized_spelling(tokenized_checkpoints, tmp_path, monke
                "--prompt", "hello there", "--max-new-tokens", "5")
     assert r.exit_code == 0, r.output
     assert "torch q4_0" in r.output
+
+
+def test_the_effect_measures_are_llama_cpps():
+    from linnet_core.quant_effect import measure
+
+    g = np.random.default_rng(0)
+    logits = g.normal(size=(20, 50)).astype(np.float32) * 4  # [T, V]
+    ids = list(g.integers(0, 50, 20))
+    same = measure(logits, logits.copy(), ids, "q8_0", "t")
+    assert same.mean_kld == pytest.approx(0, abs=1e-12) and same.top1_agreement == 1 and same.passed
+    assert same.perplexity_float == same.perplexity_quantized
+    off = measure(logits, logits + g.normal(size=logits.shape).astype(np.float32) * 3, ids, "q8_0", "t")
+    assert off.mean_kld > 0.01 and not off.passed  # past q8_0's gate
+    assert measure(logits, logits[::-1].copy(), ids, "q4_0", "t").passed  # q4_0: reported, not gated
+
+
+@needs_kernels
+def test_verify_reports_both_the_kernels_error_and_the_quantizations_cost(tmp_path, monkeypatch):
+    """On the embedded (trained) model over text it never saw: q8_0 within its gate, q4_0 costs more."""
+    from linnet_core.hub import DEFAULT_MODEL_DIR
+
+    monkeypatch.setenv("LINNET_CACHE", str(tmp_path / "cache"))
+    effects = {}
+    for fmt in FORMATS:
+        r = invoke("verify", DEFAULT_MODEL_DIR, "--dtype", fmt, "--json")
+        assert r.exit_code == 0, r.output
+        doc = __import__("json").loads(r.stdout)
+        assert doc["passed"] and doc["distance"] <= doc["tolerance"]  # (a): the kernels, float32's bound
+        effects[fmt] = doc["quantization"]
+        assert effects[fmt]["text"] == "unseen text" and effects[fmt]["tokens"] > 200
+    assert effects["q8_0"]["mean_kld"] <= 0.01 and effects["q8_0"]["top1_agreement"] >= 0.95
+    assert effects["q8_0"]["gate"] and effects["q4_0"]["gate"] is None
+    assert effects["q4_0"]["mean_kld"] > effects["q8_0"]["mean_kld"]

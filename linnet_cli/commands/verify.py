@@ -33,6 +33,7 @@ def verify_command(
 ) -> None:
     """Compare a backend with transformers (eager) on the same tokens; exit 3 past the tolerance."""
     # The core (and torch) load here, not at CLI start-up, so --help and completion stay fast.
+    from linnet_core.quant_effect import QuantEffect
     from linnet_core.verify import verify
 
     sink = Sink(json, quiet)
@@ -44,7 +45,8 @@ def verify_command(
         f"(tolerance {r.tolerance:.3g}) · top-1 agreement {r.top1_agreement:.1%} · "
         f"greedy tokens {'identical' if r.tokens_match else 'differ'} · "
         f"{r.prompt_tokens} prompt tokens + {r.steps} steps"
-        + (f" · reference in {r.reference_dtype} (float32 does not fit here)" if r.reference_dtype != "float32" else ""),
+        + (f" · reference in {r.reference_dtype} (float32 does not fit here)" if r.reference_dtype != "float32" else "")
+        + (f"\n  quantization's own effect, {QuantEffect(**r.quantization).describe()}" if r.quantization else ""),
         r.to_json(),
     )
     if not r.passed:

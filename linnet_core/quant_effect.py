@@ -1,0 +1,74 @@
+"""What quantizing the weights costs, measured as llama.cpp's `perplexity --kl-divergence` does:
+the quantized session against the original float32 model over a real text (the opening of *Pride
+and Prejudice*, which the embedded model never saw), position by position.
+
+Mean KL divergence (original ‖ quantized), top-1 agreement where the original's first choice is
+decisive (as the export round trips count it), and the perplexity of both. q8_0 is gated
+(GATES); q4_0 is reported. Only the original's logits are held while the session runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+TEXT = Path(__file__).parent / "data" / "unseen_text.txt"
+GATES = {"q8_0": (0.01, 0.95)}  # mean KLD at most, top-1 agreement at least
+
+
+@dataclass
+class QuantEffect:
+    text: str  # what was read: the unseen text, or the fixed ids of a model without a tokenizer
+    tokens: int
+    mean_kld: float
+    top1_agreement: float
+    perplexity_float: float
+    perplexity_quantized: float
+    gate: tuple[float, float] | None  # (max mean KLD, min top-1) or None: reported only
+    passed: bool
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        gate = f" (gate: KLD ≤ {self.gate[0]:g}, top-1 ≥ {self.gate[1]:.0%})" if self.gate else " (reported)"
+        return (f"against the float32 model over {self.tokens} tokens of {self.text}: mean KLD {self.mean_kld:.4g}, "
+                f"top-1 {self.top1_agreement:.1%}, perplexity {self.perplexity_float:.4g} → "
+                f"{self.perplexity_quantized:.4g}{gate}")
+
+
+def text_ids(model, limit: int) -> tuple[str, list[int]]:
+    """The unseen text's ids (at most `limit`), or the verify prompt's fixed ids without a tokenizer."""
+    from .verify import has_tokenizer, prompt_ids
+
+    if not has_tokenizer(model.path):
+        return "fixed ids (no tokenizer)", prompt_ids(model, None)[:limit]
+    from .tokenizer import Tokenizer
+
+    ids = Tokenizer(model.path).encode(TEXT.read_text())
+    return "unseen text", [i for i in ids if 0 <= i < model.spec.vocab_size][:limit]
+
+
+def measure(original: np.ndarray, quantized: np.ndarray, ids: list[int], fmt: str, text: str) -> QuantEffect:
+    """Logits [T, V] of the original and the quantized model over `ids` -> the effect."""
+    from .export.roundtrip import decisive_agreement
+
+    def log_softmax(x: np.ndarray) -> np.ndarray:  # [T, V], float64
+        x = x.astype(np.float64)
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    lp, lq = log_softmax(original), log_softmax(quantized)
+    kld = float((np.exp(lp) * (lp - lq)).sum(-1).mean())
+    nxt = np.asarray(ids[1:])
+    rows = np.arange(len(nxt))
+
+    def perplexity(logp: np.ndarray) -> float:
+        return float(np.exp(-logp[rows, nxt].mean())) if len(nxt) else float("nan")
+
+    top1 = decisive_agreement(quantized, original, "bfloat16")
+    gate = GATES.get(fmt)
+    passed = gate is None or (kld <= gate[0] and top1 >= gate[1])
+    return QuantEffect(text, len(ids), kld, top1, perplexity(lp), perplexity(lq), gate, bool(passed))
