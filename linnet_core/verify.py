@@ -9,6 +9,7 @@ the reference logits, since a rounding error is relative to the number rounded.
 from __future__ import annotations
 
 import copy
+import gc
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from .errors import CheckpointError, InputError
 from .memory import check_fits
 from .dtypes import FORMATS, compute_dtype
 from .quant_effect import measure, text_ids
-from .reference import as_quantized, reference_dtype, reference_run, run_reference
+from .reference import as_quantized, load_reference, reference_dtype, run_reference
 from .tokenizer import Tokenizer
 
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}  # times max(1, max |reference logit|)
@@ -103,17 +104,21 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
     # The reference first, then the backend: only the reference's logits are kept in between, so a
     # model as big as memory allows is never held twice.
     ref_dtype = "float32" if reference is not None else reference_dtype(m.spec, compiled.dtype)
-    quantized = FORMATS[compiled.dtype].quantized  # then the reference computes on the same dequantized weights
+    quantized = FORMATS[compiled.dtype].quantized
     effect_text, effect_ids, original = None, [], None
-    if quantized:  # and the original float model's logits over a real text, for quantization's own cost
+    if quantized:
         effect_text, effect_ids = text_ids(m, compiled.cache_len)
-        original = run_reference(reference, effect_ids, 0) if reference is not None else \
-            reference_run(m.path, effect_ids, 0, ref_dtype)
-    if reference is not None and quantized:  # a copy: the caller's model stays as it was
-        reference = copy.deepcopy(reference)
-        as_quantized(reference, m.spec, compiled.dtype)
-    ref = run_reference(reference, ids, steps) if reference is not None else \
-        reference_run(m.path, ids, steps, ref_dtype, quantized=(m.spec, compiled.dtype) if quantized else None)
+    ref_model = reference if reference is not None else load_reference(m.path, ref_dtype)
+    try:
+        if quantized:  # the original model over a real text (quantization's own cost), then, over the
+            original = run_reference(ref_model, effect_ids, 0)  # same dequantized weights, the kernels' error
+            if ref_model is reference:  # a copy: the caller's model stays as it was
+                ref_model = copy.deepcopy(ref_model)
+            as_quantized(ref_model, m.spec, compiled.dtype)
+        ref = run_reference(ref_model, ids, steps)
+    finally:
+        del ref_model
+        gc.collect()
     session, compiled = load_model(m, backend, dtype, cache_len, rows=1, **load_kw)
 
     got = [session.prefill(ids, logits="all")]
@@ -131,7 +136,8 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
     return VerifyReport(
         model=m.resolved.name, backend=compiled.backend, dtype=compiled.dtype, prompt_tokens=len(ids), steps=steps,
         distance=distance, tolerance=tolerance, top1_agreement=top1, tokens_match=tokens == ref.tokens,
-        passed=bool(distance <= tolerance and (effect is None or effect.passed)), reference_dtype=ref_dtype, reference_tokens=ref.tokens, backend_tokens=tokens,
+        passed=bool(distance <= tolerance and (effect is None or effect.passed)), reference_dtype=ref_dtype,
+        reference_tokens=ref.tokens, backend_tokens=tokens,
         artifact=str(compiled.artifact), seconds=time.perf_counter() - t0,
         quantization=effect.to_json() if effect else None,
     )
