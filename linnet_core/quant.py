@@ -87,7 +87,7 @@ def param_formats(graph: Graph, fmt: str) -> dict[str, str]:
         return out
     block_linear = {n.inputs[1] for n in graph.block.nodes if n.op == "linear"}
     head = {n.inputs[1] for n in graph.epilogue if n.op == "linear"}
-    global_linear = head | {n.inputs[1] for n in graph.prologue + graph.epilogue if n.op in ("linear", "embedding")}
+    global_linear = {n.inputs[1] for n in graph.prologue + graph.epilogue if n.op in ("linear", "embedding")}
     sources: dict[tuple, list[str]] = {}
     for full, p, layer in graph.all_params():
         local = full if layer is None else full.split(".", 2)[2]
