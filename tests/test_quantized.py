@@ -54,7 +54,7 @@ def test_every_family_matches_the_dequantized_reference(case, fmt, checkpoints, 
 
     r = verify(checkpoints[case], "torch", fmt, steps=6, cache_len=64, cache=ArtifactCache(session_cache))
     assert r.passed and r.tokens_match, r.to_json()
-    assert r.distance <= r.tolerance and r.tolerance < 1e-3 * max(1.0, r.tolerance * 1e4)  # float32's tolerance
+    assert r.distance <= r.tolerance < 0.01  # float32's tolerance (1e-4 x the logits), not a 16-bit one
 
 
 @needs_kernels

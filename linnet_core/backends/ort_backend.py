@@ -192,7 +192,7 @@ class OnnxRuntimeBackend(Backend):
         so.log_severity_level = 3  # errors only: its warnings are not the user's business
         if device == "cpu" and dtype == "float32":
             # ORT maps float32 external data; prepacking would copy every MatMul weight into MLAS's
-            # panels (Qwen3-4B: 27 s and 17.5 GB of anonymous memory) for ~20% faster prefill and
+            # panels (a 4B model: 27 s and 17.5 GB of anonymous memory) for ~20% faster prefill and
             # the same decode. float16 is cast to float32 at load anyway, and packed runs 1.3x faster.
             so.add_session_config_entry("session.disable_prepacking", "1")
         return so
