@@ -18,7 +18,7 @@ BLOCK = 32
 HEAD_FORMAT = "q8_0"  # the output head (and a table tied to it): llama.cpp keeps it wider too (q6_K for q4_0)
 
 
-def _roundf(x: torch.Tensor) -> torch.Tensor:
+def roundf(x: torch.Tensor) -> torch.Tensor:
     """Round half away from zero, as ggml's roundf and the gguf package's np_roundf."""
     a = x.abs()
     floored = a.floor()
@@ -40,7 +40,7 @@ def _quantize_blocks(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt == "q8_0":
         d = blocks.abs().amax(dim=1, keepdim=True) / 127  # [nb, 1]
         inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-        qs = _roundf(blocks * inv).to(torch.int8).view(torch.uint8)  # [nb, 32]
+        qs = roundf(blocks * inv).to(torch.int8).view(torch.uint8)  # [nb, 32]
     elif fmt == "q4_0":
         imax = blocks.abs().argmax(dim=1, keepdim=True)
         d = blocks.gather(1, imax) / -8  # [nb, 1]: the largest magnitude maps to -8
@@ -66,6 +66,28 @@ def dequantize(q: torch.Tensor, fmt: str) -> torch.Tensor:
     else:
         raise ValueError(f"no block dequantizer for '{fmt}'")
     return (w * d).reshape(*lead, nbytes // FORMATS[fmt].block_bytes * BLOCK)
+
+
+def nbits_layout(q: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF blocks [N, nb * block_bytes] -> (values uint8 [N, nb, 32 * bits / 8], scales float32
+    [N, nb]): ONNX Runtime's MatMulNBits layout, also what the XLA graphs dequantize. Values are
+    unsigned with the default zero point 2^(bits-1) (q8_0's int8 + 128; q4_0's q as it is), in order
+    (q4_0: byte j holds weights 2j and 2j + 1), and the f16 scales widen exactly: the same weights."""
+    n, nbytes = q.shape
+    blocks = q.reshape(n, -1, FORMATS[fmt].block_bytes)  # [N, nb, bb]
+    scales = blocks[..., :2].contiguous().view(torch.float16).float().squeeze(-1)  # [N, nb]
+    if fmt == "q8_0":
+        values = blocks[..., 2:] ^ 0x80  # int8 two's complement + 128
+    elif fmt == "q4_0":
+        packed = blocks[..., 2:]  # [N, nb, 16]: weights j (low nibble) and j + 16 (high)
+        w = torch.cat([packed & 0x0F, packed >> 4], dim=-1)  # [N, nb, 32] in order
+        values = w[..., 0::2] | (w[..., 1::2] << 4)  # [N, nb, 16]
+    else:
+        raise ValueError(f"no MatMulNBits layout for '{fmt}'")
+    return values.contiguous(), scales
+
+
+NBITS = {"q8_0": 8, "q4_0": 4}  # bits per weight of each block format in the nbits layout
 
 
 def stored_shape(shape: tuple[int, ...], fmt: str) -> tuple[int, ...]:

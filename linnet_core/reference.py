@@ -75,10 +75,11 @@ def reference_dtype(spec, dtype: str) -> str:
     return "float16" if dtype in ("float16", "f16", "fp16") else "bfloat16"  # q8_0 and f32 exports too
 
 
-def as_quantized(model, spec, fmt: str) -> None:
+def as_quantized(model, spec, fmt: str, activations: str = "float32") -> None:
     """Replace, in place, each weight Linnet stores block-quantized under `fmt` by its dequantized
     blocks: the reference then computes on the very numbers the backend does, so their distance is
-    the kernels' error alone, not quantization's."""
+    the kernels' error alone, not quantization's. `activations="int8"`: the linear layers over those
+    weights also round their inputs to int8 blocks first, as kernels that compute so do."""
     import torch
 
     from .dtypes import FORMATS
@@ -101,6 +102,24 @@ def as_quantized(model, spec, fmt: str) -> None:
                 w = named[src]
                 w.copy_(dequantize(quantize(w.float(), formats[full]), formats[full]).to(w.dtype))
                 done.add(src)
+    if activations == "int8":
+        quantized = {named[src].data_ptr() for src in done}
+        for module in model.modules():  # a head tied to the table shares its weight
+            if isinstance(module, torch.nn.Linear) and module.weight.data_ptr() in quantized:
+                module.register_forward_pre_hook(lambda _, args: (int8_blocks(args[0]), *args[1:]))
+
+
+def int8_blocks(x):
+    """x [..., K] rounded as int8 blocks of 32 with a float32 scale amax / 127 (llama.cpp's q8_0
+    activations; ONNX Runtime's MatMulNBits at accuracy level 4): the value each such kernel multiplies."""
+    import torch
+
+    from .quant import roundf
+
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)  # [..., K / 32, 32]
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    return (roundf(blocks * inv) * d).reshape(x.shape).to(x.dtype)
 
 
 def reference_run(path: Path, prompt: list[int], steps: int, dtype: str = "float32",

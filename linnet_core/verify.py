@@ -20,12 +20,14 @@ from .backends import get_backend
 from .compile import Model, compile_model, load_model, open_model
 from .errors import CheckpointError, InputError
 from .memory import check_fits
-from .dtypes import FORMATS, compute_dtype
+from .dtypes import FORMATS
 from .quant_effect import measure, text_ids
 from .reference import as_quantized, load_reference, reference_dtype, run_reference
 from .tokenizer import Tokenizer
 
-TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}  # times max(1, max |reference logit|)
+# Times max(1, max |reference logit|). "int8": activations quantized to int8 per block of 32 before
+# each matmul (ONNX Runtime's MatMulNBits, llama.cpp's q8_0 dot products): 8 bits, as bfloat16's.
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2, "int8": 5e-2}
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Python's documentation says that"
 
 
@@ -42,6 +44,7 @@ class VerifyReport:
     tokens_match: bool
     passed: bool
     reference_dtype: str  # float32 unless the model is too big for that here
+    activations: str  # what the kernels hold activations in for a matmul: the compute dtype, or int8
     reference_tokens: list[int]
     backend_tokens: list[int]
     artifact: str
@@ -114,7 +117,7 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
             original = run_reference(ref_model, effect_ids, 0)  # same dequantized weights, the kernels' error
             if ref_model is reference:  # a copy: the caller's model stays as it was
                 ref_model = copy.deepcopy(ref_model)
-            as_quantized(ref_model, m.spec, compiled.dtype)
+            as_quantized(ref_model, m.spec, compiled.dtype, be.activations(compiled.dtype))
         ref = run_reference(ref_model, ids, steps)
     finally:
         del ref_model
@@ -126,7 +129,8 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
         got.append(session.decode([ref.tokens[k]], [len(ids) + k], [0], logits=True))
     logits = np.concatenate([g.logits[0] for g in got])  # [T + steps, V]
     tokens = [g.tokens[0] for g in got]
-    distance, tolerance, top1 = compare_logits(logits, ref.logits, compute_dtype(compiled.dtype))
+    activations = be.activations(compiled.dtype)
+    distance, tolerance, top1 = compare_logits(logits, ref.logits, activations)
     if ref_dtype != "float32":  # the reference rounds as much as the backend: two errors, not one
         tolerance *= 2
     effect = None
@@ -137,6 +141,7 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
         model=m.resolved.name, backend=compiled.backend, dtype=compiled.dtype, prompt_tokens=len(ids), steps=steps,
         distance=distance, tolerance=tolerance, top1_agreement=top1, tokens_match=tokens == ref.tokens,
         passed=bool(distance <= tolerance and (effect is None or effect.passed)), reference_dtype=ref_dtype,
+        activations=activations,
         reference_tokens=ref.tokens, backend_tokens=tokens,
         artifact=str(compiled.artifact), seconds=time.perf_counter() - t0,
         quantization=effect.to_json() if effect else None,

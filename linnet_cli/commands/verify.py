@@ -46,6 +46,7 @@ def verify_command(
         f"greedy tokens {'identical' if r.tokens_match else 'differ'} · "
         f"{r.prompt_tokens} prompt tokens + {r.steps} steps"
         + (f" · reference in {r.reference_dtype} (float32 does not fit here)" if r.reference_dtype != "float32" else "")
+        + (f" · activations quantized to {r.activations} by the kernels" if r.activations == "int8" else "")
         + (f"\n  quantization's own effect, {QuantEffect(**r.quantization).describe()}" if r.quantization else ""),
         r.to_json(),
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import params as prepared
-from ..dtypes import DTYPES, FORMATS
+from ..dtypes import DTYPES, FORMATS, compute_dtype
 from ..errors import BackendUnavailable
 from ..ir.graph import Graph
 from ..ir.passes import optimize
@@ -52,6 +52,11 @@ class Backend(ABC):
             runs = ", ".join(name for name, formats in QUANTIZED_ON.items() if dtype in formats)
             raise BackendUnavailable(f"the {self.name} backend has no kernels for {dtype} weights yet; "
                                      f"{dtype} runs on: {runs} (CPU)", hint="choose one of those backends, or a float --dtype")
+
+    def activations(self, dtype: str) -> str:
+        """What its matmuls hold activations in under `dtype`: the compute dtype, or "int8" where the
+        kernels quantize them (verify holds the result to that precision's tolerance)."""
+        return compute_dtype(dtype)
 
     def check_device(self, device: str) -> None:
         """Raise BackendUnavailable when this backend cannot run on `device` ("cpu" or "cuda") here;

@@ -59,6 +59,12 @@ class MathBuilder(Protocol):
     def concat_last(self, parts: list[Value]) -> Value: ...
     def unsqueeze(self, a: Value, axes: list[int]) -> Value: ...
 
+    def nibbles(self, a: Value) -> Value:
+        """uint8 [..., n] -> uint8 [..., 2n]: each byte's low nibble, then its high one."""
+
+    def blocks_to_f32(self, q: Value, offset: int, scales: Value) -> Value:
+        """(q [..., nb, 32] unsigned - offset) * scales [..., nb] -> float32 [..., nb * 32]."""
+
     def qk(self, q: Value, k: Value) -> Value:
         """q [B, KV, G, T, D] . k [B, KV, L, D] -> scores [B, KV, G, T, L] (batched over B, KV)."""
 
@@ -122,3 +128,10 @@ def gelu(m: MathBuilder, x: Value, approximate: str) -> Value:
     else:
         gate = m.add(m.scalar(1.0, "act"), m.erf(m.mul(x, m.scalar(math.sqrt(0.5), "act"))))
     return m.mul(m.mul(x, m.scalar(0.5, "act")), gate)
+
+
+def dequantize(b: MathBuilder, values: Value, scales: Value, bits: int) -> Value:
+    """Block-quantized weights in MatMulNBits' layout (quant.nbits_layout) to float32, in the graph:
+    values uint8 [..., nb, 32 * bits / 8], scales float32 [..., nb] -> [..., nb * 32]."""
+    q = b.nibbles(values) if bits == 4 else values  # [..., nb, 32]
+    return b.blocks_to_f32(q, 1 << (bits - 1), scales)

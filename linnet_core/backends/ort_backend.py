@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from ..dtypes import DTYPES, FORMATS, onnx_elem_of_torch, torch_dtype
+from ..dtypes import FORMATS, compute_dtype, onnx_elem_of_torch, torch_dtype
 from ..errors import BackendUnavailable
 from ..ir.graph import Graph
 from ..runtime.ragged import RaggedLayout
@@ -140,7 +140,7 @@ class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     stack = "ONNX Runtime and TensorRT"
     title = "ONNX Runtime"
-    artifact_format = "3"
+    artifact_format = "4"
     ragged = True  # the graph takes mixed steps (TensorRT's builder keeps the dense [B, T] form)
     copies_of_tied = 2  # ONNX initializers: the embedding, and the head transposed for MatMul
 
@@ -157,6 +157,11 @@ class OnnxRuntimeBackend(Backend):
         # keeps both (measured: 2x the float16 bytes).
         return 2.0 if device == "cpu" and dtype == "float16" else 1.0
 
+    def activations(self, dtype: str) -> str:
+        # MatMulNBits at accuracy level 4 (onnx_emit.NBITS_ACCURACY): the int8 kernels that make it
+        # fast on CPU quantize the activations per block, as llama.cpp does for q8_0 and q4_0.
+        return "int8" if FORMATS[dtype].quantized else compute_dtype(dtype)
+
     def check_device(self, device: str) -> None:
         super().check_device(device)
         if device == "cuda" and "CUDAExecutionProvider" not in import_ort().get_available_providers():
@@ -170,9 +175,9 @@ class OnnxRuntimeBackend(Backend):
 
     def check_available(self, dtype: str) -> None:
         require_onnx()
-        if dtype not in DTYPES:
+        if dtype not in FORMATS:
             raise BackendUnavailable(f"the {self.name} backend has no dtype '{dtype}'")
-        reason = _probe_dtype(tuple(self.providers(self.default_device())), dtype)
+        reason = _probe_dtype(tuple(self.providers(self.default_device())), compute_dtype(dtype))
         if reason:
             raise BackendUnavailable(reason, hint="choose another --dtype (float32 runs everywhere), or run on a GPU")
 
@@ -193,7 +198,8 @@ class OnnxRuntimeBackend(Backend):
         if device == "cpu" and dtype == "float32":
             # ORT maps float32 external data; prepacking would copy every MatMul weight into MLAS's
             # panels (a 4B model: 27 s and 17.5 GB of anonymous memory) for ~20% faster prefill and
-            # the same decode. float16 is cast to float32 at load anyway, and packed runs 1.3x faster.
+            # the same decode. float16 is cast to float32 at load anyway, and packed runs 1.3x faster;
+            # MatMulNBits packs its blocks (a copy of a quarter to a half of float32's bytes).
             so.add_session_config_entry("session.disable_prepacking", "1")
         return so
 
