@@ -25,7 +25,7 @@ REGISTRY: dict[str, str] = {
 }
 BACKEND_NAMES = tuple(REGISTRY)
 # Backends with kernels for block-quantized weights (CPU): the others refuse those formats by name.
-QUANTIZED_ON: dict[str, tuple[str, ...]] = {"torch": QUANTIZED, "inductor": QUANTIZED, "onnxruntime": QUANTIZED}
+QUANTIZED_ON: dict[str, tuple[str, ...]] = {name: QUANTIZED for name in ("torch", "inductor", "onnxruntime", "jax", "stablehlo")}
 _loaded: dict[str, "Backend"] = {}
 
 

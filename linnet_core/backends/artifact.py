@@ -89,10 +89,12 @@ def load_prepared_weights(path: Path, device: str) -> PreparedWeights:
 
 
 def prepared_shapes(path: Path) -> dict[str, Any]:
-    """The structure `load_prepared_weights` returns, with (shape, torch dtype) in place of each
-    tensor: read from the file's header alone (what a compile that needs no numbers takes)."""
+    """The structure `load_prepared_weights` returns, with (shape, torch dtype, block format or None)
+    in place of each tensor: read from the file's header alone (what a compile that needs no numbers
+    takes)."""
     infos, metadata, _ = read_header(path)
-    return _grouped({name: (tuple(i.shape), i.dtype) for name, i in infos.items()},
+    formats = json.loads(metadata.get(FORMATS_KEY, "{}"))
+    return _grouped({name: (tuple(i.shape), i.dtype, formats.get(name)) for name, i in infos.items()},
                     json.loads(metadata.get(ALIASES_KEY, "{}")))
 
 

@@ -17,9 +17,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..dtypes import numpy_dtype
+from ..dtypes import FORMATS, numpy_dtype
 from ..errors import BackendUnavailable
 from ..ir.graph import Graph
+from ..quant import BLOCK, NBITS, nbits_layout
 from ..runtime.sampling import Sampler
 from ..runtime.session import Session
 from .artifact import MIN_PROMPT_BUCKET, WEIGHTS_FILE, bucket, import_generated, load_prepared_weights, \
@@ -96,6 +97,15 @@ def to_jax(t: torch.Tensor, device=None):
     return jax.device_put(host.copy(), device)
 
 
+def xla_weight(t: torch.Tensor, fmt: str | None, device=None):
+    """A prepared weight as the XLA graphs take it: an array, or for GGUF blocks of `fmt` the pair
+    (values, scales) of quant.nbits_layout, which the graph dequantizes (the same numbers)."""
+    if fmt is None:
+        return to_jax(t, device)
+    values, scales = nbits_layout(t, fmt)
+    return to_jax(values, device), to_jax(scales, device)
+
+
 class XlaSession(Session):
     """Shared by the XLA backends: buckets, padding, the donated cache; `fn` is one compiled step."""
 
@@ -164,7 +174,7 @@ class XlaBackend(Backend):
     """What the two XLA backends share: JAX as the toolchain (its version and platform key the cache)."""
 
     stack = "JAX"
-    artifact_format = "2"
+    artifact_format = "3"
 
     def toolchain(self) -> dict[str, str]:
         jax = import_jax()
@@ -204,10 +214,16 @@ class JaxBackend(XlaBackend):
         np_dtype = numpy_dtype(read_info(out)["dtype"])
         shapes = prepared_shapes(out / WEIGHTS_FILE)
         sharding = jax.sharding.SingleDeviceSharding(dev)
-        weights = {"global": {k: jax.ShapeDtypeStruct(s, np_dtype, sharding=sharding)
-                              for k, (s, _) in shapes["global"].items()},
-                   "layers": [{k: jax.ShapeDtypeStruct(s, np_dtype, sharding=sharding) for k, (s, _) in layer.items()}
-                              for layer in shapes["layers"]]}
+
+        def struct(shape, fmt):  # what xla_weight makes of a weight, as shapes
+            if fmt is None:
+                return jax.ShapeDtypeStruct(shape, np_dtype, sharding=sharding)
+            rows, nb = shape[0], shape[1] // FORMATS[fmt].block_bytes
+            return (jax.ShapeDtypeStruct((rows, nb, BLOCK * NBITS[fmt] // 8), np.uint8, sharding=sharding),
+                    jax.ShapeDtypeStruct((rows, nb), np.float32, sharding=sharding))
+
+        weights = {"global": {k: struct(s, f) for k, (s, _, f) in shapes["global"].items()},
+                   "layers": [{k: struct(s, f) for k, (s, _, f) in layer.items()} for layer in shapes["layers"]]}
         module = import_generated(out / "model_jax.py", "linnet_jax")
         session = JaxSession(module, weights, read_info(out), 1, self.name, dev)
         for B, T in warm_up_shapes(session.cache_len):
@@ -222,7 +238,7 @@ class JaxBackend(XlaBackend):
         dev = jax_device(device)
 
         def moved(name: str, t: torch.Tensor):
-            array = to_jax(t, dev)
+            array = xla_weight(t, host.format_of(name), dev)
             host.release(name)  # XLA holds its own copy now
             return array
 

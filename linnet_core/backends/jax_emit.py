@@ -22,10 +22,31 @@ def rope_table(pos, inv_freq, dtype):
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 
+def dequantize(weight):
+    """A weight as float32: GGUF blocks come as (values uint8 [..., nb, 32 * bits / 8], scales
+    [..., nb]), 4-bit values two to a byte (low nibble first), offset by 2^(bits - 1)."""
+    if not isinstance(weight, tuple):
+        return weight
+    values, scales = weight
+    bits = values.shape[-1] * 8 // 32
+    if bits == 4:
+        values = jnp.stack([values & 0x0F, values >> 4], axis=-1).reshape(*values.shape[:-1], 32)
+    w = (values.astype(jnp.float32) - (1 << (bits - 1))) * scales[..., None]  # [..., nb, 32]
+    return w.reshape(*w.shape[:-2], -1)
+
+
 def linear(x, weight, bias=None):
-    """x @ weight.T (+ bias); XLA reads the [out, in] weight as it lies."""
-    y = jnp.einsum("...i,oi->...o", x, weight)
+    """x @ weight.T (+ bias); XLA reads the [out, in] weight as it lies (block-quantized weights
+    dequantized in the graph, where XLA can fuse it into the dot)."""
+    y = jnp.einsum("...i,oi->...o", x, dequantize(weight))
     return y if bias is None else y + bias
+
+
+def embedding(ids, table):
+    """The rows of `table` for ids [B, T]; only the rows looked up are dequantized."""
+    if isinstance(table, tuple):
+        return dequantize((table[0][ids], table[1][ids]))
+    return table[ids]
 
 
 def split(x, sizes):
@@ -79,7 +100,7 @@ def attention(q, k, v, pos, slots, k_cache, v_cache, layer, window, scale):
 TEMPLATES: dict[str, str] = {
     "positions": "{out} = {a}[:, None] + jnp.arange(T)",
     "rope_table": "{out} = rope_table({a}, ROPE_INV_FREQ, dtype)",
-    "embedding": "{out} = {b}[{a}]",
+    "embedding": "{out} = embedding({a}, {b})",
     "rms_norm": "{out} = rms_norm({a}, {b}, {eps})",
     "linear": "{out} = linear({args})",
     "split": "{out} = split({a}, {sizes})",

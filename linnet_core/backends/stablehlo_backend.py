@@ -16,7 +16,7 @@ from ..errors import IRError
 from ..ir.graph import Graph
 from ..runtime.session import Session
 from .artifact import WEIGHTS_FILE, flat_weights, load_prepared_weights, read_graph, read_info, warm_up_shapes
-from .jax_backend import XlaBackend, XlaSession, import_jax, jax_device, to_jax
+from .jax_backend import XlaBackend, XlaSession, import_jax, jax_device, xla_weight
 from .stablehlo_emit import emit_stablehlo
 
 
@@ -94,6 +94,7 @@ class StablehloBackend(XlaBackend):
         dev = jax_device(device)
         weights = []
         for (full, _, _), w in zip(graph.all_params(), flat_weights(graph, host)):
-            weights.append(to_jax(w, dev))
+            array = xla_weight(w, host.format_of(full), dev)
+            weights += list(array) if isinstance(array, tuple) else [array]  # emit_stablehlo's arguments
             host.release(full)  # XLA holds its own copy now
         return StablehloSession(artifact, graph, weights, read_info(artifact), rows, self.name, dev)

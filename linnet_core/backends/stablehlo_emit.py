@@ -17,11 +17,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..dtypes import FORMATS
+from ..dtypes import FORMATS, compute_dtype
 from ..errors import IRError
 from ..ir.graph import Graph, Node
 from ..ir.rope import inv_freq
 from ..ir.verify import verify
+from ..quant import BLOCK, NBITS, param_formats
 from . import decompose
 from .lowering import Lowering
 
@@ -204,6 +205,16 @@ class Module:
 
 
     # -- decompose.MathBuilder -------------------------------------------------------------
+    def nibbles(self, a: V) -> V:
+        parts = [self.reshape(self.op(name, [a, self.const(k, a.et, a.shape)], a.shape, a.et), a.shape + (1,))
+                 for name, k in (("and", 0x0F), ("shift_right_logical", 4))]  # low, high: [..., n, 1]
+        return self.reshape(self.concat(parts, len(a.shape)), a.shape[:-1] + (2 * a.shape[-1],))
+
+    def blocks_to_f32(self, q: V, offset: int, scales: V) -> V:
+        centered = self.binary("subtract", self.convert(q, "f32"), self.const(offset, "f32", q.shape))
+        w = self.binary("multiply", centered, self.broadcast(scales, q.shape, list(range(len(scales.shape)))))
+        return self.reshape(w, q.shape[:-2] + (q.shape[-2] * q.shape[-1],))
+
     def _to_shape(self, a: V, shape: tuple) -> V:
         if a.shape == tuple(shape):
             return a
@@ -326,6 +337,16 @@ class _Lowering(Lowering):
 HloLowering = Callable[[_Lowering, Node, list[V]], list[V]]
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """A block-quantized weight's two arguments (quant.nbits_layout): values uint8 [N, nb, bytes]
+    and float32 scales [N, nb]."""
+
+    values: V
+    scales: V
+    bits: int
+
+
 def _positions(L: _Lowering, n: Node, x: list[V]) -> list[V]:
     m = L.m
     steps = m.iota((L.B, L.T), 1)
@@ -338,12 +359,18 @@ def _rope_table(L: _Lowering, n: Node, x: list[V]) -> list[V]:
 
 def _embedding(L: _Lowering, n: Node, x: list[V]) -> list[V]:
     ids = L.m.reshape(x[0], x[0].shape + (1,))
-    return [L.m.gather_rows(x[1], ids, [0])]
+    table = x[1]
+    if isinstance(table, Blocks):  # the rows' blocks, dequantized: [B, T, nb, bytes] -> [B, T, K]
+        rows = [L.m.gather_rows(t, ids, [0]) for t in (table.values, table.scales)]
+        return [L.m.convert(decompose.dequantize(L.m, *rows, table.bits), L.act)]
+    return [L.m.gather_rows(table, ids, [0])]
 
 
 def _linear(L: _Lowering, n: Node, x: list[V]) -> list[V]:
     m = L.m
     a, w = x[0], x[1]
+    if isinstance(w, Blocks):  # dequantized in the graph, where XLA can fuse it into the dot's operand
+        w = decompose.dequantize(m, w.values, w.scales, w.bits)  # [N, K] float32
     axis = len(a.shape) - 1
     y = m.dot(a, w, ([], []), ([axis], [1]), a.shape[:-1] + (w.shape[0],))
     return [m.binary("add", y, m.broadcast(x[2], y.shape, [axis])) if len(x) == 3 else y]
@@ -425,14 +452,22 @@ def emit_stablehlo(graph: Graph, dtype: str, cache_len: int, rows: int, B: int, 
     verify(graph)
     if graph.ragged:
         raise IRError("the StableHLO emitter has no ragged step form (it emits one module per dense step shape)")
-    act = FORMATS[dtype].hlo
+    act = FORMATS[compute_dtype(dtype)].hlo
     m = Module(act)
     L = _Lowering(graph, m, act, B, T, all_logits)
     c = graph.cache
     args: list[str] = []
-    for full, p, _ in graph.all_params():
-        L.env[full] = V(f"%w{len(args)}", p.shape, act)
-        args.append(f"{L.env[full].name}: {L.env[full].ty}")
+    formats = param_formats(graph, dtype)
+    for full, p, _ in graph.all_params():  # the weights' arguments, as weight_arguments orders them
+        if FORMATS[formats[full]].quantized:
+            (n, k), bits = p.shape, NBITS[formats[full]]
+            values = V(f"%w{len(args)}", (n, k // BLOCK, BLOCK * bits // 8), "ui8")
+            scales = V(f"%w{len(args) + 1}", (n, k // BLOCK), "f32")
+            L.env[full] = Blocks(values, scales, bits)
+            args += [f"{values.name}: {values.ty}", f"{scales.name}: {scales.ty}"]
+        else:
+            L.env[full] = V(f"%w{len(args)}", p.shape, act)
+            args.append(f"{L.env[full].name}: {L.env[full].ty}")
     cache_shape = (c.layers, rows, c.kv_heads, cache_len, c.head_dim)
     L.k_cache, L.v_cache = V("%k_cache", cache_shape, act), V("%v_cache", cache_shape, act)
     args.append(f"%k_cache: {L.k_cache.ty} {{tf.aliasing_output = 2 : i32}}")
