@@ -22,7 +22,7 @@ CACHE = 96
 
 # torch takes a step as one call per chunk length; ONNX Runtime's graph takes it in one ragged call; the
 # engine is backend- and format-agnostic, q4_0 weights included.
-@pytest.fixture(scope="module", params=["torch", "torch:q4_0"] + ["onnxruntime"] * HAVE["onnxruntime"])
+@pytest.fixture(scope="module", params=["torch", "torch:q4_0"] + ["onnxruntime", "onnxruntime:q8_0"] * HAVE["onnxruntime"])
 def model(request, tokenized_checkpoints):
     path = tokenized_checkpoints[CASE]
     backend, _, dtype = request.param.partition(":")

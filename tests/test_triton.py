@@ -34,6 +34,9 @@ def triton(tokenized_checkpoints, tmp_path_factory):
         pytest.skip(e.message)
     repo = tmp_path_factory.mktemp("triton") / "repo"
     export_triton(tokenized_checkpoints[CASE], repo, "torch", "float32", rows=4, cache_len=96, name="tiny", env=env)
+    quantized = repo.parent / "quantized"  # a second model of the same repository: 4-bit weights
+    export_triton(tokenized_checkpoints[CASE], quantized, "torch", "q4_0", rows=4, cache_len=96, name="tiny-q4", env=env)
+    (quantized / "tiny-q4").rename(repo / "tiny-q4")
     port = free_port()
     log = repo.parent / "triton.log"
     proc = launch_local_triton(repo, server, port, log)
@@ -42,12 +45,12 @@ def triton(tokenized_checkpoints, tmp_path_factory):
     proc.wait(timeout=60)
 
 
-def _alone(path, prompt: str, n: int) -> str:
+def _alone(path, prompt: str, n: int, dtype: str = "float32") -> str:
     from linnet_core.compile import load_model
     from linnet_core.runtime.generate import Generation
     from linnet_core.tokenizer import Tokenizer
 
-    session, _ = load_model(path, "torch", "float32", 96, rows=1)
+    session, _ = load_model(path, "torch", dtype, 96, rows=1)
     tok = Tokenizer(path)
     return tok.decode(list(Generation(session, tok.encode(prompt), n)))
 
@@ -63,6 +66,14 @@ def test_streaming_and_not(triton):
     whole = httpx.post(f"{url}/v2/models/tiny/generate", json={**body, "stream": False}, timeout=60).json()
     assert whole["finish_reason"] == "length" and whole["text_output"] == streamed
     assert streamed == _alone(path, "The list object", 8)  # the same engine, the same greedy answer
+
+
+def test_a_quantized_artifact_serves_the_same_answer(triton):
+    url, path, _ = triton
+    body = {"text_input": "The list object", "max_tokens": 8, "stream": False,
+            "sampling_parameters": json.dumps({"ignore_eos": True})}
+    whole = httpx.post(f"{url}/v2/models/tiny-q4/generate", json=body, timeout=60).json()
+    assert whole["finish_reason"] == "length" and whole["text_output"] == _alone(path, "The list object", 8, "q4_0")
 
 
 def test_a_client_that_leaves_is_cancelled(triton):
