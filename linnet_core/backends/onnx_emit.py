@@ -11,7 +11,8 @@ the one-token rows and over the multi-token chunks padded to one length. The den
 of T tokens) is what TensorRT's builder and `linnet export onnx` take.
 
 Weights are streamed to one external data file as they are prepared, so a model of any size is
-emitted in bounded memory and stays under protobuf's 2 GB limit. Each IR op lowers through one
+emitted in bounded memory and stays under protobuf's 2 GB limit. Block-quantized weights (q8_0,
+q4_0) lie there as MatMulNBits takes them (quant.nbits_layout: GGUF's weights, repacked). Each IR op lowers through one
 function in LOWERINGS, the math through backends.decompose (whose primitives OnnxGraphBuilder
 implements) or one of ONNX's own fused kernels; an op without a lowering fails at emit, naming it.
 """
