@@ -6,7 +6,7 @@
 Steps, in this order, each in its own process group and time box, so a step that fails or hangs
 costs its box and no more, and whatever the earlier steps found is written all the same:
 install Linnet from this tree (offline, no build isolation), `linnet doctor --json`, the
-`gpu`-marked tests, `verify` of every backend x family fixture x bfloat16/float16 on the device,
+`gpu`-marked tests, `verify` of every backend x family fixture x bfloat16/float16/q4_0 on the device,
 and `linnet bench` of the Qwen3-4B shape (random weights from bench/make_seed_models.py) against
 transformers eager and compiled. The seed model is written and compiled for each backend in the
 background from the start, so the bench step finds its artifacts cached.
@@ -63,7 +63,7 @@ class Plan:
 
 GPU = Plan(device="cuda", backends=["torch", "inductor", "cudagraphs", "jax", "stablehlo", "onnxruntime", "tensorrt"],
            cases=["llama-gqa-untied", "mistral-window", "qwen2-bias-tied", "qwen3-headdim128", "phi3-fused-window"],
-           dtypes=["bfloat16", "float16"], tiny=False, prompt_tokens=512, new_tokens=128, runs=3, warmups=1,
+           dtypes=["bfloat16", "float16", "q4_0"], tiny=False, prompt_tokens=512, new_tokens=128, runs=3, warmups=1,
            compare=["transformers-compiled"], budget_s=480,
            shares={"install": 45, "doctor": 30, "fixtures": 30, "tests": 90, "verify": 105}, parallel=12)
 # CPU backends that compile in seconds on 2 cores, plus the two GPU-only ones (which must report
@@ -473,6 +473,7 @@ def verify_worker(backend: str, device: str, dtypes: list[str], fixtures_dir: Pa
                     b = get_backend(backend)
                     b.check_device(device)  # first: "no CUDA provider" says more than "no CPU bf16 kernel"
                     b.check_available(dtype)
+                    b.check_format(dtype)
                 except BackendUnavailable as e:
                     emit(case, dtype, status="missing", reason=e.message + (f" ({e.hint})" if e.hint else ""))
                     continue

@@ -24,8 +24,9 @@ REGISTRY: dict[str, str] = {
     "cudagraphs": "linnet_core.backends.inductor_backend:CudaGraphsBackend",
 }
 BACKEND_NAMES = tuple(REGISTRY)
-# Backends with kernels for block-quantized weights (CPU): the others refuse those formats by name.
-QUANTIZED_ON: dict[str, tuple[str, ...]] = {name: QUANTIZED for name in ("torch", "inductor", "onnxruntime", "jax", "stablehlo")}
+# Backends with kernels for block-quantized weights: the others refuse those formats by name.
+QUANTIZED_ON: dict[str, tuple[str, ...]] = {
+    name: QUANTIZED for name in ("torch", "inductor", "cudagraphs", "onnxruntime", "jax", "stablehlo")}
 _loaded: dict[str, "Backend"] = {}
 
 

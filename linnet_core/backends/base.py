@@ -51,11 +51,11 @@ class Backend(ABC):
         if FORMATS[dtype].quantized and dtype not in QUANTIZED_ON.get(self.name, ()):
             runs = ", ".join(name for name, formats in QUANTIZED_ON.items() if dtype in formats)
             raise BackendUnavailable(f"the {self.name} backend has no kernels for {dtype} weights yet; "
-                                     f"{dtype} runs on: {runs} (CPU)", hint="choose one of those backends, or a float --dtype")
+                                     f"{dtype} runs on: {runs}", hint="choose one of those backends, or a float --dtype")
 
-    def activations(self, dtype: str) -> str:
-        """What its matmuls hold activations in under `dtype`: the compute dtype, or "int8" where the
-        kernels quantize them (verify holds the result to that precision's tolerance)."""
+    def activations(self, dtype: str, device: str = "cpu") -> str:
+        """What its matmuls hold activations in under `dtype` on `device`: the compute dtype, or
+        "int8" where the kernels quantize them (verify holds the result to that precision's tolerance)."""
         return compute_dtype(dtype)
 
     def check_device(self, device: str) -> None:

@@ -20,13 +20,12 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..dtypes import FORMATS
 from ..errors import BackendUnavailable
 from ..runtime.session import Session
 from . import cpu_kernels
 from .artifact import MIN_PROMPT_BUCKET, WEIGHTS_FILE, bucket, import_generated, load_prepared_weights, read_info, \
     warm_up
-from .torch_backend import TorchBackend, TorchSession, check_quantized, cpu_weights
+from .torch_backend import TorchBackend, TorchSession, check_quantized, cpu_weights, device_block_weights
 
 # Inductor reads its cache folder from the environment whenever it compiles; the variable is
 # the process's, so each session sets it around its own calls, one session at a time.
@@ -149,12 +148,14 @@ class InductorBackend(TorchBackend):
     def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
         configure_inductor()
         info = read_info(artifact)
-        device = device or ("cpu" if FORMATS[info["dtype"]].quantized else self.default_device())
+        device = device or self.default_device()
         self.check_device(device)
         check_quantized(info["dtype"], device)
         module = import_generated(artifact / "model.py", "linnet_inductor")
         weights = load_prepared_weights(artifact / WEIGHTS_FILE, device)
         kernels = cpu_weights(weights, info) if device == "cpu" else []
+        if device != "cpu":
+            device_block_weights(weights, info["linear_weights"])
         return CompiledTorchSession(module, weights, kernels, info, rows, device, self.name, self.mode,
                                     artifact / "inductor_cache")
 

@@ -157,10 +157,11 @@ class OnnxRuntimeBackend(Backend):
         # keeps both (measured: 2x the float16 bytes).
         return 2.0 if device == "cpu" and dtype == "float16" else 1.0
 
-    def activations(self, dtype: str) -> str:
+    def activations(self, dtype: str, device: str = "cpu") -> str:
         # MatMulNBits at accuracy level 4 (onnx_emit.NBITS_ACCURACY): the int8 kernels that make it
-        # fast on CPU quantize the activations per block, as llama.cpp does for q8_0 and q4_0.
-        return "int8" if FORMATS[dtype].quantized else compute_dtype(dtype)
+        # fast on CPU quantize the activations per block, as llama.cpp does for q8_0 and q4_0; the
+        # CUDA provider's kernel dequantizes instead (the level is a CPU choice).
+        return "int8" if FORMATS[dtype].quantized and device == "cpu" else compute_dtype(dtype)
 
     def check_device(self, device: str) -> None:
         super().check_device(device)

@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .. import params as prepared
 from ..dtypes import FORMATS, compute_dtype, torch_dtype
 from ..errors import BackendUnavailable
 from ..ir.graph import Graph
+from ..quant import dequantize
 from ..runtime.ragged import RaggedLayout
 from ..runtime.session import Session
 from .artifact import WEIGHTS_FILE, import_generated, load_prepared_weights, read_info
@@ -46,13 +48,42 @@ def cpu_weights(weights: dict, info: dict) -> list:
     return kernels
 
 
+class BlockLinear:
+    """GGUF blocks on a GPU, compressed as stored: each call dequantizes the weight (a transient
+    float32 [N, K], exactly quant.dequantize's numbers) for one matmul, which inductor fuses into
+    one kernel; never a float copy held beside the blocks."""
+
+    def __init__(self, blocks: torch.Tensor, fmt: str):
+        self.blocks, self.fmt = blocks, fmt  # [N, nb * block_bytes] uint8
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, dequantize(self.blocks, self.fmt), bias)
+
+
+class BlockTable(BlockLinear):
+    """A token table in GGUF blocks on a GPU: only the rows gathered are dequantized."""
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize(self.blocks[ids], self.fmt)  # [..., K] float32
+
+
+def device_block_weights(weights, names: dict[str, list[str]]) -> None:
+    """Wrap, in place, the block-quantized weights of a GPU session: linear ones in BlockLinear,
+    a token table in BlockTable (the generated `linear` and `embedding` call them)."""
+    groups = [(weights["global"], names["global"], "")]
+    groups += [(layer, names["block"], f"blk.{i}.") for i, layer in enumerate(weights["layers"])]
+    for group, linear_names, prefix in groups:
+        for name in group:
+            fmt = weights.format_of(prefix + name)
+            if fmt is not None:
+                group[name] = (BlockLinear if name in linear_names else BlockTable)(group[name], fmt)
+
+
 def check_quantized(dtype: str, device: str) -> None:
-    """Block-quantized weights run through Linnet's CPU kernels: refuse, in one line, where those are not."""
-    if not FORMATS[dtype].quantized:
+    """Block-quantized weights run through Linnet's CPU kernels on a CPU (BlockLinear on a GPU):
+    refuse, in one line, where those kernels do not build."""
+    if not FORMATS[dtype].quantized or device != "cpu":
         return
-    if device != "cpu":
-        raise BackendUnavailable(f"{dtype} weights run on the CPU only for now (no CUDA kernels for them yet)",
-                                 hint="add --device cpu, or choose --dtype bf16 on the GPU")
     if decode_kernels.extension() is None:
         raise BackendUnavailable(f"{dtype} weights need Linnet's CPU kernels, and here {decode_kernels.why_not()}",
                                  hint="choose --dtype bf16 or float32")
@@ -107,7 +138,7 @@ class TorchBackend(Backend):
         if dtype not in FORMATS:
             raise BackendUnavailable(f"the {self.name} backend has no dtype '{dtype}'")
         if FORMATS[dtype].quantized:
-            check_quantized(dtype, "cpu")
+            check_quantized(dtype, self.default_device())
 
     def emit(self, graph: Graph, dtype: str, cache_len: int, out: Path) -> None:
         (out / "model.py").write_text(emit(graph))
@@ -117,11 +148,13 @@ class TorchBackend(Backend):
 
     def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
         info = read_info(artifact)
-        device = device or ("cpu" if FORMATS[info["dtype"]].quantized else self.default_device())
+        device = device or self.default_device()
         self.check_device(device)
         check_quantized(info["dtype"], device)
         module = import_generated(artifact / "model.py", "linnet_generated")
         weights = load_prepared_weights(artifact / WEIGHTS_FILE, device)
         if device == "cpu":
             cpu_weights(weights, info)
+        else:
+            device_block_weights(weights, info["linear_weights"])
         return TorchSession(module, weights, info, rows, device, self.name)
