@@ -124,6 +124,19 @@ def test_quantized_weights_on_cuda(backend, fmt, checkpoints, session_cache):
     assert r.passed and r.activations == "float32", r.to_json()
 
 
+def test_export_onnx_carries_the_blocks(tokenized_checkpoints, tmp_path):
+    """`export onnx --dtype q4_0`: MatMulNBits over the blocks, a float32 cache, and a graph ONNX Runtime opens."""
+    ort = pytest.importorskip("onnxruntime")
+    import json
+
+    r = invoke("export", "onnx", tokenized_checkpoints["qwen3-headdim128"], tmp_path / "out", "--dtype", "q4_0")
+    assert r.exit_code == 0, r.output
+    info = json.loads((tmp_path / "out" / "interface.json").read_text())
+    assert info["weights"] == "q4_0" and info["dtype"] == "float32"
+    session = ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert {i.name for i in session.get_inputs()} >= {"ids", "k_cache.0"}
+
+
 def test_the_nbits_layout_holds_the_same_weights():
     from linnet_core.quant import NBITS, nbits_layout
 

@@ -452,13 +452,14 @@ def interface(graph: Graph, dtype: str, cache_len: int) -> dict:
         "format": "linnet-onnx-ragged/1" if ragged else "linnet-onnx/1",
         "linnet": __version__,
         "opset": OPSET,
-        "dtype": dtype,
+        "dtype": compute_dtype(dtype),  # activations, logits and the cache
+        "weights": dtype,  # q8_0 / q4_0: MatMulNBits' <name>.values and <name>.scales
         "cache_len": cache_len,
         "entry": ("one step over N tokens from any mix of cache rows (decode tokens and prompt chunks)" if ragged else
                   "one graph for prefill (T tokens of one row) and batched decode (one token for each of B rows)"),
         "inputs": {name: [*shape, "int64", doc] for name, (shape, doc) in step_inputs(graph).items()},
         "outputs": {"next_token": [entries, "int64", f"greedy choice for each of {rows}"],
-                    "logits": [entries, "T'", graph.meta["spec"]["vocab_size"], dtype]},
+                    "logits": [entries, "T'", graph.meta["spec"]["vocab_size"], compute_dtype(dtype)]},
         "cache": {
             "layout": ["rows", "kv_heads", "cache_len", "head_dim"],
             "per_layer": [f"k_cache.{i}" for i in range(c.layers)] + [f"v_cache.{i}" for i in range(c.layers)],
