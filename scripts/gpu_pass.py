@@ -69,7 +69,7 @@ GPU = Plan(device="cuda", backends=["torch", "inductor", "cudagraphs", "jax", "s
 # CPU backends that compile in seconds on 2 cores, plus the two GPU-only ones (which must report
 # themselves missing); inductor is left to the test suite, where it takes minutes here.
 DRY = Plan(device="cpu", backends=["torch", "jax", "stablehlo", "onnxruntime", "cudagraphs", "tensorrt"],
-           cases=["qwen3-headdim128"], dtypes=["bfloat16", "float16"], tiny=True, prompt_tokens=32, new_tokens=8,
+           cases=["qwen3-headdim128"], dtypes=["bfloat16", "float16", "q8_0"], tiny=True, prompt_tokens=32, new_tokens=8,
            runs=2, warmups=1, compare=[], budget_s=420,
            shares={"install": 90, "doctor": 30, "fixtures": 30, "tests": 90, "verify": 90}, parallel=6)
 

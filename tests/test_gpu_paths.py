@@ -207,7 +207,8 @@ def test_gpu_pass_dry_run(tmp_path):
     assert [s["step"] for s in summary["steps"]] == ["install", "doctor", "tests", "fixtures", "verify", "bench"]
     assert all(s["status"] == "ok" for s in summary["steps"]), summary["steps"]
     by = {(r["backend"], r["dtype"]): r for r in summary["verify"]}
-    assert by[("torch", "bfloat16")]["status"] == "passed" and by[("jax", "float16")]["status"] == "passed"
+    assert by[("torch", "bfloat16")]["status"] == "passed" and by[("jax", "q8_0")]["status"] == "passed"
+    assert by[("jax", "float16")]["status"] == "missing" and "inductor" in by[("jax", "float16")]["reason"]
     assert by[("cudagraphs", "bfloat16")]["status"] == "missing"  # said in the report, not a failure
     assert "NVIDIA GPU" in by[("tensorrt", "float16")]["reason"]
     rows = {r["label"]: r for r in summary["bench"]["rows"]}

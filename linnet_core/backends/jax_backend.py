@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..dtypes import FORMATS, numpy_dtype
+from ..dtypes import FORMATS, compute_dtype, numpy_dtype
 from ..errors import BackendUnavailable
 from ..ir.graph import Graph
 from ..quant import BLOCK, NBITS, nbits_layout
@@ -106,6 +106,21 @@ def xla_weight(t: torch.Tensor, fmt: str | None, device=None):
     return to_jax(values, device), to_jax(scales, device)
 
 
+# XLA's CPU compiler runs 16-bit matmuls as scalar loops: a 2560x9728 GEMV takes 59 ms in bfloat16
+# and 52 ms in float16 against 3.9 ms in float32 (jax 0.10, measured; converting to float32 first or
+# a multiply-and-reduce is no faster), a 20th of what inductor streams. Tests of the emitters' 16-bit
+# math on a CPU turn this off; a user is pointed to the backends that run those dtypes fast.
+REFUSE_HALF_ON_CPU = True
+
+
+def check_half_on_cpu(backend: str, dtype: str, platform: str) -> None:
+    if REFUSE_HALF_ON_CPU and platform == "cpu" and compute_dtype(dtype) in ("bfloat16", "float16"):
+        raise BackendUnavailable(
+            f"XLA's CPU compiler runs {dtype} matmuls about 15x slower than float32, so {backend} offers "
+            f"{dtype} on GPUs only", hint=f"--backend inductor (or torch) runs {dtype} on this CPU; "
+                                          f"--dtype float32 or q8_0 / q4_0 on {backend}")
+
+
 class XlaSession(Session):
     """Shared by the XLA backends: buckets, padding, the donated cache; `fn` is one compiled step."""
 
@@ -182,6 +197,7 @@ class XlaBackend(Backend):
 
     def check_available(self, dtype: str) -> None:
         import_jax()
+        check_half_on_cpu(self.name, dtype, "cpu" if self.default_device() == "cpu" else "gpu")
 
     def weight_copies(self, dtype: str, device: str) -> float:
         # XLA's CPU compiler runs half-precision dots in float32, converting the weights at every
@@ -234,8 +250,9 @@ class JaxBackend(XlaBackend):
         use_compilation_cache(artifact / "xla_cache")
         info = read_info(artifact)
         module = import_generated(artifact / "model_jax.py", "linnet_jax")
-        host = load_prepared_weights(artifact / WEIGHTS_FILE, "cpu")
         dev = jax_device(device)
+        check_half_on_cpu(self.name, info["dtype"], dev.platform)
+        host = load_prepared_weights(artifact / WEIGHTS_FILE, "cpu")
 
         def moved(name: str, t: torch.Tensor):
             array = xla_weight(t, host.format_of(name), dev)

@@ -16,7 +16,7 @@ from ..errors import IRError
 from ..ir.graph import Graph
 from ..runtime.session import Session
 from .artifact import WEIGHTS_FILE, flat_weights, load_prepared_weights, read_graph, read_info, warm_up_shapes
-from .jax_backend import XlaBackend, XlaSession, import_jax, jax_device, xla_weight
+from .jax_backend import XlaBackend, XlaSession, check_half_on_cpu, import_jax, jax_device, xla_weight
 from .stablehlo_emit import emit_stablehlo
 
 
@@ -90,8 +90,9 @@ class StablehloBackend(XlaBackend):
     def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
         import_jax()
         graph = read_graph(artifact)
-        host = load_prepared_weights(artifact / WEIGHTS_FILE, "cpu")
         dev = jax_device(device)
+        check_half_on_cpu(self.name, read_info(artifact)["dtype"], dev.platform)
+        host = load_prepared_weights(artifact / WEIGHTS_FILE, "cpu")
         weights = []
         for (full, _, _), w in zip(graph.all_params(), flat_weights(graph, host)):
             array = xla_weight(w, host.format_of(full), dev)
