@@ -104,6 +104,7 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
         raise InputError(f"the prompt and {steps} steps need {need} positions; the cache has {compiled.cache_len}")
     be = get_backend(compiled.backend)  # refused now, from the sizes, rather than after the reference ran
     device = load_kw.get("device") or be.default_device()
+    activations = be.activations(compiled.dtype, device)
     check_fits(m.spec, be, compiled.dtype, compiled.cache_len, 1, device)
     # The reference first, then the backend: only the reference's logits are kept in between, so a
     # model as big as memory allows is never held twice.
@@ -118,7 +119,7 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
             original = run_reference(ref_model, effect_ids, 0)  # same dequantized weights, the kernels' error
             if ref_model is reference:  # a copy: the caller's model stays as it was
                 ref_model = copy.deepcopy(ref_model)
-            as_quantized(ref_model, m.spec, compiled.dtype, be.activations(compiled.dtype, device))
+            as_quantized(ref_model, m.spec, compiled.dtype, activations)
         ref = run_reference(ref_model, ids, steps)
     finally:
         del ref_model
@@ -130,7 +131,6 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
         got.append(session.decode([ref.tokens[k]], [len(ids) + k], [0], logits=True))
     logits = np.concatenate([g.logits[0] for g in got])  # [T + steps, V]
     tokens = [g.tokens[0] for g in got]
-    activations = be.activations(compiled.dtype, device)
     distance, tolerance, top1 = compare_logits(logits, ref.logits, activations)
     if ref_dtype != "float32":  # the reference rounds as much as the backend: two errors, not one
         tolerance *= 2

@@ -25,7 +25,7 @@ from ..runtime.session import Session
 from . import cpu_kernels
 from .artifact import MIN_PROMPT_BUCKET, WEIGHTS_FILE, bucket, import_generated, load_prepared_weights, read_info, \
     warm_up
-from .torch_backend import TorchBackend, TorchSession, check_quantized, cpu_weights, device_block_weights
+from .torch_backend import TorchBackend, TorchSession, check_quantized, session_weights
 
 # Inductor reads its cache folder from the environment whenever it compiles; the variable is
 # the process's, so each session sets it around its own calls, one session at a time.
@@ -153,9 +153,7 @@ class InductorBackend(TorchBackend):
         check_quantized(info["dtype"], device)
         module = import_generated(artifact / "model.py", "linnet_inductor")
         weights = load_prepared_weights(artifact / WEIGHTS_FILE, device)
-        kernels = cpu_weights(weights, info) if device == "cpu" else []
-        if device != "cpu":
-            device_block_weights(weights, info["linear_weights"])
+        kernels = session_weights(weights, info, device)
         return CompiledTorchSession(module, weights, kernels, info, rows, device, self.name, self.mode,
                                     artifact / "inductor_cache")
 

@@ -50,8 +50,8 @@ def cpu_weights(weights: dict, info: dict) -> list:
 
 class BlockLinear:
     """GGUF blocks on a GPU, compressed as stored: each call dequantizes the weight (a transient
-    float32 [N, K], exactly quant.dequantize's numbers) for one matmul, which inductor fuses into
-    one kernel; never a float copy held beside the blocks."""
+    float32 [N, K], exactly quant.dequantize's numbers) for one matmul; never a float copy held
+    beside the blocks."""
 
     def __init__(self, blocks: torch.Tensor, fmt: str):
         self.blocks, self.fmt = blocks, fmt  # [N, nb * block_bytes] uint8
@@ -77,6 +77,15 @@ def device_block_weights(weights, names: dict[str, list[str]]) -> None:
             fmt = weights.format_of(prefix + name)
             if fmt is not None:
                 group[name] = (BlockLinear if name in linear_names else BlockTable)(group[name], fmt)
+
+
+def session_weights(weights, info: dict, device: str) -> list:
+    """Wrap a session's weights for its device, in place: this CPU's kernels (returned in handle
+    order), or on a GPU the block-quantized weights' BlockLinear / BlockTable."""
+    if device == "cpu":
+        return cpu_weights(weights, info)
+    device_block_weights(weights, info["linear_weights"])
+    return []
 
 
 def check_quantized(dtype: str, device: str) -> None:
@@ -153,8 +162,5 @@ class TorchBackend(Backend):
         check_quantized(info["dtype"], device)
         module = import_generated(artifact / "model.py", "linnet_generated")
         weights = load_prepared_weights(artifact / WEIGHTS_FILE, device)
-        if device == "cpu":
-            cpu_weights(weights, info)
-        else:
-            device_block_weights(weights, info["linear_weights"])
+        session_weights(weights, info, device)
         return TorchSession(module, weights, info, rows, device, self.name)
