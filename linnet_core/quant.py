@@ -90,6 +90,11 @@ def nbits_layout(q: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]
 NBITS = {"q8_0": 8, "q4_0": 4}  # bits per weight of each block format in the nbits layout
 
 
+def nbits_shapes(rows: int, k: int, fmt: str) -> tuple[tuple[int, int, int], tuple[int, int]]:
+    """The shapes nbits_layout gives a [rows, K] weight of `fmt`: (values, scales)."""
+    return (rows, k // BLOCK, BLOCK * NBITS[fmt] // 8), (rows, k // BLOCK)
+
+
 def stored_shape(shape: tuple[int, ...], fmt: str) -> tuple[int, ...]:
     """The shape a [rows, K] weight has in a file: as it is, or its blocks' bytes as uint8."""
     if not FORMATS[fmt].quantized:

@@ -20,7 +20,7 @@ import torch
 from ..dtypes import FORMATS, compute_dtype, numpy_dtype
 from ..errors import BackendUnavailable
 from ..ir.graph import Graph
-from ..quant import BLOCK, NBITS, nbits_layout
+from ..quant import BLOCK, nbits_layout, nbits_shapes
 from ..runtime.sampling import Sampler
 from ..runtime.session import Session
 from .artifact import MIN_PROMPT_BUCKET, WEIGHTS_FILE, bucket, import_generated, load_prepared_weights, \
@@ -114,6 +114,7 @@ REFUSE_HALF_ON_CPU = True
 
 
 def check_half_on_cpu(backend: str, dtype: str, platform: str) -> None:
+    """Refuse 16-bit on a CPU (`platform`: a JAX device platform or a Linnet device name), in one line."""
     if REFUSE_HALF_ON_CPU and platform == "cpu" and compute_dtype(dtype) in ("bfloat16", "float16"):
         raise BackendUnavailable(
             f"XLA's CPU compiler runs {dtype} matmuls about 15x slower than float32, so {backend} offers "
@@ -197,7 +198,7 @@ class XlaBackend(Backend):
 
     def check_available(self, dtype: str) -> None:
         import_jax()
-        check_half_on_cpu(self.name, dtype, "cpu" if self.default_device() == "cpu" else "gpu")
+        check_half_on_cpu(self.name, dtype, self.default_device())
 
     def weight_copies(self, dtype: str, device: str) -> float:
         # XLA's CPU compiler runs half-precision dots in float32, converting the weights at every
@@ -234,9 +235,9 @@ class JaxBackend(XlaBackend):
         def struct(shape, fmt):  # what xla_weight makes of a weight, as shapes
             if fmt is None:
                 return jax.ShapeDtypeStruct(shape, np_dtype, sharding=sharding)
-            rows, nb = shape[0], shape[1] // FORMATS[fmt].block_bytes
-            return (jax.ShapeDtypeStruct((rows, nb, BLOCK * NBITS[fmt] // 8), np.uint8, sharding=sharding),
-                    jax.ShapeDtypeStruct((rows, nb), np.float32, sharding=sharding))
+            values, scales = nbits_shapes(shape[0], shape[1] // FORMATS[fmt].block_bytes * BLOCK, fmt)
+            return (jax.ShapeDtypeStruct(values, np.uint8, sharding=sharding),
+                    jax.ShapeDtypeStruct(scales, np.float32, sharding=sharding))
 
         weights = {"global": {k: struct(s, f) for k, (s, _, f) in shapes["global"].items()},
                    "layers": [{k: struct(s, f) for k, (s, _, f) in layer.items()} for layer in shapes["layers"]]}

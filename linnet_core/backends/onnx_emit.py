@@ -35,7 +35,7 @@ from ..ir.graph import Graph, Node
 from ..ir.ragged import RAGGED_INPUTS
 from ..ir.rope import inv_freq
 from ..ir.verify import verify
-from ..quant import BLOCK, NBITS, nbits_layout, param_formats, quantize
+from ..quant import BLOCK, NBITS, nbits_layout, nbits_shapes, param_formats, quantize
 from ..weight_store import Placer, fingerprint, write_here
 from ..weights import Checkpoint
 from . import decompose
@@ -47,7 +47,7 @@ IR_VERSION = 10  # what ONNX Runtime 1.20+ reads; opset 23 needs >= 10
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops: MatMulNBits for block-quantized weights
 # MatMulNBits' compute: level 4 quantizes the activations to int8 blocks, as llama.cpp's q8_0 / q4_0
 # dot products do. Level 0 (float32, exact over the stored weights) measured 7.9 tok/s against 160 on
-# the 191M Qwen3: its CPU kernel dequantizes every 8-bit weight at every call.
+# the 191M benchmark model: its CPU kernel dequantizes every 8-bit weight at every call.
 NBITS_ACCURACY = {"q4_0": 4, "q8_0": 4}
 INT64_MAX = np.iinfo(np.int64).max
 
@@ -545,10 +545,8 @@ def external_layout(graph: Graph, dtype: str) -> list[tuple[str, list[int], int,
     out, offset = [], 0
     for full, p, _ in graph.all_params():
         if full in quantized:
-            rows, k = p.shape
-            nb, bits = k // BLOCK, NBITS[quantized[full]]
-            tensors = [(f"{full}.values", [rows, nb, BLOCK * bits // 8], "uint8"),
-                       (f"{full}.scales", [rows, nb], "float32")]
+            values, scales = nbits_shapes(*p.shape, quantized[full])
+            tensors = [(f"{full}.values", list(values), "uint8"), (f"{full}.scales", list(scales), "float32")]
         else:
             tensors = [(full, list(p.shape[::-1]) if full in transpose else list(p.shape), act)]
         for name, shape, fmt in tensors:

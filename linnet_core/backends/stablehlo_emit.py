@@ -22,7 +22,7 @@ from ..errors import IRError
 from ..ir.graph import Graph, Node
 from ..ir.rope import inv_freq
 from ..ir.verify import verify
-from ..quant import BLOCK, NBITS, param_formats
+from ..quant import NBITS, nbits_shapes, param_formats
 from . import decompose
 from .lowering import Lowering
 
@@ -460,10 +460,10 @@ def emit_stablehlo(graph: Graph, dtype: str, cache_len: int, rows: int, B: int, 
     formats = param_formats(graph, dtype)
     for full, p, _ in graph.all_params():  # the weights' arguments, as weight_arguments orders them
         if FORMATS[formats[full]].quantized:
-            (n, k), bits = p.shape, NBITS[formats[full]]
-            values = V(f"%w{len(args)}", (n, k // BLOCK, BLOCK * bits // 8), "ui8")
-            scales = V(f"%w{len(args) + 1}", (n, k // BLOCK), "f32")
-            L.env[full] = Blocks(values, scales, bits)
+            values_shape, scales_shape = nbits_shapes(*p.shape, formats[full])
+            values = V(f"%w{len(args)}", values_shape, "ui8")
+            scales = V(f"%w{len(args) + 1}", scales_shape, "f32")
+            L.env[full] = Blocks(values, scales, NBITS[formats[full]])
             args += [f"{values.name}: {values.ty}", f"{scales.name}: {scales.ty}"]
         else:
             L.env[full] = V(f"%w{len(args)}", p.shape, act)
