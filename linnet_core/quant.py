@@ -25,6 +25,16 @@ def roundf(x: torch.Tensor) -> torch.Tensor:
     return x.sign() * (floored + (2 * (a - floored)).floor())
 
 
+def int8_blocks(x):
+    """x [..., K] rounded as int8 blocks of 32 with a float32 scale amax / 127 (llama.cpp's q8_0
+    activations; ONNX Runtime's MatMulNBits at accuracy level 4; Linnet's CPU kernels): the value
+    each such kernel multiplies."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)  # [..., K / 32, 32]
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    return (roundf(blocks * inv) * d).reshape(x.shape).to(x.dtype)
+
+
 def quantize(w: torch.Tensor, fmt: str, chunk: int = 1 << 22) -> torch.Tensor:
     """w [..., K] (K a multiple of 32) -> uint8 blocks [..., K / 32 * block_bytes] of `fmt`, made
     `chunk` weights at a time so the float32 temporaries stay small beside a large weight."""

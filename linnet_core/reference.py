@@ -84,7 +84,7 @@ def as_quantized(model, spec, fmt: str, activations: str = "float32") -> None:
 
     from .dtypes import FORMATS
     from .models import build_graph
-    from .quant import dequantize, param_formats, quantize
+    from .quant import dequantize, int8_blocks, param_formats, quantize
 
     graph = build_graph(spec)
     formats = param_formats(graph, fmt)
@@ -107,19 +107,6 @@ def as_quantized(model, spec, fmt: str, activations: str = "float32") -> None:
         for module in model.modules():  # a head tied to the table shares its weight
             if isinstance(module, torch.nn.Linear) and module.weight.data_ptr() in quantized:
                 module.register_forward_pre_hook(lambda _, args: (int8_blocks(args[0]), *args[1:]))
-
-
-def int8_blocks(x):
-    """x [..., K] rounded as int8 blocks of 32 with a float32 scale amax / 127 (llama.cpp's q8_0
-    activations; ONNX Runtime's MatMulNBits at accuracy level 4): the value each such kernel multiplies."""
-    import torch
-
-    from .quant import roundf
-
-    blocks = x.float().reshape(*x.shape[:-1], -1, 32)  # [..., K / 32, 32]
-    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-    return (roundf(blocks * inv) * d).reshape(x.shape).to(x.dtype)
 
 
 def reference_run(path: Path, prompt: list[int], steps: int, dtype: str = "float32",

@@ -13,7 +13,7 @@ from family_fixtures import CASES, FAMILY_CASES, make_checkpoint
 from test_cli import assert_one_line_error, invoke
 
 from linnet_core.backends import decode_kernels
-from linnet_core.quant import dequantize, param_formats, quantize, summary
+from linnet_core.quant import dequantize, int8_blocks, param_formats, quantize, summary
 
 FORMATS = ["q8_0", "q4_0"]
 needs_kernels = pytest.mark.skipif(decode_kernels.extension() is None,
@@ -37,24 +37,27 @@ def test_blocks_are_the_gguf_packages_bit_for_bit(fmt):
 @needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 4, 6, 9, 40])
-def test_kernel_is_a_float32_matmul_over_the_dequantized_weights(fmt, rows):
+def test_kernel_is_a_float32_matmul_over_int8_activations_and_the_dequantized_weights(fmt, rows):
     g = torch.Generator().manual_seed(rows)
-    blocks = quantize(torch.randn(300, 256, generator=g), fmt)  # 300 rows: a remainder past the groups
-    x, bias = torch.randn(rows, 256, generator=g), torch.randn(300, generator=g)
-    got = decode_kernels.quant_linear(x, blocks, fmt, bias)
-    assert torch.allclose(got, torch.nn.functional.linear(x, dequantize(blocks, fmt), bias), atol=1e-4, rtol=1e-4)
+    blocks = quantize(torch.randn(301, 256, generator=g), fmt)  # 301 rows: a last group of 8 padded
+    x, bias = torch.randn(rows, 256, generator=g) * 3, torch.randn(301, generator=g)
+    got = decode_kernels.quant_linear(x, decode_kernels.repack(blocks, fmt), fmt, 301, bias)
+    want = torch.nn.functional.linear(int8_blocks(x), dequantize(blocks, fmt), bias)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("case", FAMILY_CASES)
-def test_every_family_matches_the_dequantized_reference(case, fmt, checkpoints, session_cache):
-    from linnet_core.cache import ArtifactCache
-    from linnet_core.verify import verify
-
-    r = verify(checkpoints[case], "torch", fmt, steps=6, cache_len=64, cache=ArtifactCache(session_cache))
-    assert r.passed and r.tokens_match, r.to_json()
-    assert r.distance <= r.tolerance < 0.01  # float32's tolerance (1e-4 x the logits), not a 16-bit one
+def test_repacking_moves_the_bytes_and_changes_none(fmt):
+    """8 rows interleaved per block: every scale and quant byte kept, the padding rows zero."""
+    blocks = quantize(torch.randn(13, 64, generator=torch.Generator().manual_seed(1)), fmt)  # [13, 2 * bb]
+    packed = decode_kernels.repack(blocks, fmt)  # [2 groups, 2 blocks * 8 rows * bb]
+    bb = blocks.shape[1] // 2
+    assert packed.shape == (2, 2 * 8 * bb) and packed.dtype == torch.uint8
+    assert sorted(packed.flatten().tolist()) == sorted(blocks.flatten().tolist() + [0] * (3 * 2 * bb))
+    first = packed[0, :8 * bb]  # block 0 of rows 0..7: their scales, then 4-byte chunks row by row
+    assert torch.equal(first[:16].view(8, 2), blocks[:8, :2])
+    assert torch.equal(first[16:48].view(8, 4), blocks[:8, 2:6])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -73,32 +76,38 @@ def test_xla_dequantizes_in_the_graph_exactly(backend, case, fmt, checkpoints, s
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("case", FAMILY_CASES)
-def test_onnx_runtime_computes_as_llama_cpp_does(case, fmt, checkpoints, session_cache):
-    """MatMulNBits quantizes the activations to int8 blocks, as llama.cpp does: held to that
-    precision's tolerance against a reference that rounds them the same way (most runs then agree
-    to float32's precision; a q4_0 table's rows land activations on exact rounding ties, where one
-    summation order flips a rounding and the two drift apart within the int8 bound)."""
-    pytest.importorskip("onnxruntime")
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_cpu_kernels_compute_as_llama_cpp_does(backend, case, fmt, checkpoints, session_cache):
+    """Linnet's kernels and MatMulNBits round the activations to int8 blocks, as llama.cpp does:
+    held to that precision's tolerance against a reference that rounds them the same way. Most
+    rows agree to float32's precision, but an activation within an ulp of a rounding boundary (a
+    q4_0 table's rows land some on exact ties) can round to the neighbour under another summation
+    order, moving that row's logits by a quantum: within the int8 bound, not within float32's.
+    The kernel alone is held to float32's precision above."""
+    if backend == "onnxruntime":
+        pytest.importorskip("onnxruntime")
+    elif decode_kernels.extension() is None:
+        pytest.skip(f"Linnet's CPU kernels do not run here: {decode_kernels.why_not()}")
     from linnet_core.cache import ArtifactCache
-    from linnet_core.verify import TOLERANCE, verify
+    from linnet_core.verify import verify
 
-    r = verify(checkpoints[case], "onnxruntime", fmt, steps=6, cache_len=64, cache=ArtifactCache(session_cache))
+    r = verify(checkpoints[case], backend, fmt, steps=6, cache_len=64, cache=ArtifactCache(session_cache))
     assert r.activations == "int8" and r.passed and r.top1_agreement >= 0.8, r.to_json()
-    if fmt == "q8_0":  # no ties: the kernel's own error, within float32's tolerance
-        float32_bound = r.tolerance / TOLERANCE["int8"] * TOLERANCE["float32"]
-        assert r.tokens_match and r.distance <= float32_bound, r.to_json()
+    if fmt == "q8_0":  # no exact ties from a q8_0 table: the same greedy tokens
+        assert r.tokens_match, r.to_json()
 
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_gpu_path_is_the_cpu_kernels_math(fmt):
-    """BlockLinear / BlockTable (a GPU session's blocks) run on any device: here, against the CPU kernel."""
+    """BlockLinear / BlockTable (a GPU session's blocks, float activations) run on any device: here,
+    against the CPU kernel given activations already on its int8 grid."""
     from linnet_core.backends.torch_backend import BlockLinear, BlockTable
 
     g = torch.Generator().manual_seed(8)
     blocks = quantize(torch.randn(96, 128, generator=g), fmt)
-    x, bias = torch.randn(3, 128, generator=g), torch.randn(96, generator=g)
-    want = decode_kernels.quant_linear(x, blocks, fmt, bias)
+    x, bias = int8_blocks(torch.randn(3, 128, generator=g)), torch.randn(96, generator=g)
+    want = decode_kernels.quant_linear(x, decode_kernels.repack(blocks, fmt), fmt, 96, bias)
     assert torch.allclose(BlockLinear(blocks, fmt)(x, bias), want, atol=1e-4, rtol=1e-4)
     ids = torch.tensor([[5, 0, 95]])
     assert torch.equal(BlockTable(blocks, fmt)(ids), dequantize(blocks, fmt)[ids])
@@ -171,7 +180,7 @@ def test_the_session_holds_blocks_not_floats(checkpoints, session_cache):
                                    cache=ArtifactCache(session_cache), device="cpu")
     layer = session.weights["layers"][0]
     linears = [w for w in layer.values() if isinstance(w, QuantLinear)]
-    assert linears and all(w.blocks.dtype == torch.uint8 and w.fmt == "q4_0" for w in linears)
+    assert linears and all(w.packed.dtype == torch.uint8 and w.fmt == "q4_0" for w in linears)
     assert isinstance(session.weights["global"]["token_embd.weight"], QuantTable)
     assert session.weights["global"]["output.weight"].fmt == "q8_0"  # the head, as llama.cpp keeps it wider
     assert compiled.artifact.name.split("-")[-3] == "q4_0"  # the format is part of the cache key

@@ -31,6 +31,7 @@ class Backend(ABC):
     stack: str  # the ecosystem it runs in, as bench pages group rows: PyTorch, JAX, ONNX Runtime and TensorRT
     dtypes: tuple[str, ...] = DTYPES
     ragged: bool = False  # emits the ragged step (ir.ragged): every session step is one call
+    int8_activations_on_cpu: bool = False  # its CPU kernels for q-formats round activations to int8 blocks
     artifact_format = "1"  # bump when the artifact's files or their meaning change
     copies_of_tied = 1  # how often its layout stores a tied output head
     loads_at_compile = False  # whether `finish` runs a session (so a compile needs a session's memory)
@@ -56,6 +57,8 @@ class Backend(ABC):
     def activations(self, dtype: str, device: str = "cpu") -> str:
         """What its matmuls hold activations in under `dtype` on `device`: the compute dtype, or
         "int8" where the kernels quantize them (verify holds the result to that precision's tolerance)."""
+        if self.int8_activations_on_cpu and FORMATS[dtype].quantized and device == "cpu":
+            return "int8"
         return compute_dtype(dtype)
 
     def check_device(self, device: str) -> None:

@@ -121,15 +121,15 @@ class DecodeLinear(CpuLinear):
 
 
 class QuantLinear(CpuLinear):
-    """A weight held as GGUF blocks (q8_0, q4_0), mapped as stored: Linnet's kernel dequantizes in
-    registers (decode) or panel by panel (prompts); never a float copy of the whole weight."""
+    """A weight held as GGUF blocks (q8_0, q4_0), repacked once for Linnet's int8 kernel (the same
+    bytes, 8 rows interleaved: a copy, the mapped original released); never a float copy."""
 
     def __init__(self, blocks: torch.Tensor, handle: int, fmt: str):
         self.out_features, self.handle = blocks.shape[0], handle
-        self.blocks, self.fmt = blocks, fmt
+        self.packed, self.fmt = decode_kernels.repack(blocks, fmt), fmt
 
     def eager(self, x, bias):
-        return decode_kernels.quant_linear(x, self.blocks, self.fmt, bias)
+        return decode_kernels.quant_linear(x, self.packed, self.fmt, self.out_features, bias)
 
 
 @torch.library.custom_op("linnet::quant_rows", mutates_args=())
@@ -185,6 +185,8 @@ def pack_linear_weights(weights: dict, names: dict[str, list[str]], pack: bool =
             if fmt is not None:
                 wrap = QuantLinear if name in linear_names else QuantTable
                 group[name] = wrap(group[name], len(kernels), fmt)
+                if wrap is QuantLinear:
+                    release(prefix + name)
             elif name in linear_names and kind is not None:
                 group[name] = kind(group[name], len(kernels))
                 if kind is PackedLinear:

@@ -3,15 +3,16 @@
 - `gemv_bf16`: bfloat16 matrix-vector products for one or two token rows. At batch 1 a decode
   step reads every weight once; oneDNN's bf16 kernel streams ~32 GB/s on this machine class, this
   one, with AVX-512 BF16's dot product as ggml's, ~41 (microbenchmark).
-- `quant_linear`: float32 activations times weights held as GGUF q8_0 / q4_0 blocks (quant.py),
-  dequantized in registers for decode's few rows and panel by panel into at::mm for prompts, so
-  quantized weights stay compressed in memory.
+- `quant_linear`: activations times weights held as GGUF q8_0 / q4_0 blocks (quant.py), as llama.cpp
+  multiplies them: activations rounded to int8 blocks, int32 block sums by AVX-512 VNNI. The
+  float32 path (dequantizing in registers) streamed q4_0 at 15.6 GB/s on this machine class, this
+  one ~26, what a plain read of memory reaches (`bench/quant_gemv.py`).
 - `decode_attention`: one-token queries over the KV cache in place (float32, float16, bfloat16),
   where the generic path copies each row's keys and values and calls SDPA (~6x slower at
   Qwen3-4B's shapes, measured on a cold cache as in a step).
 Built with torch's C++ extension builder (g++ and ninja, ~45 s) into ~/.cache/linnet/kernels (or
 $LINNET_KERNELS), keyed by the PyTorch install and the sources, checked against the generic ops,
-and used only where the CPU has AVX-512 BF16; anything missing means the generic ops as before,
+and used only where the CPU has AVX-512 BF16 and VNNI; anything missing means the generic ops as before,
 never an error. `LINNET_DECODE_KERNELS=0` turns them off.
 """
 
@@ -27,13 +28,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..quant import dequantize, quantize
+from ..quant import dequantize, int8_blocks, quantize
 
 SOURCES = [Path(__file__).parent / "kernels" / f
            for f in ("gemv_bf16.cpp", "quant_linear.cpp", "decode_attention.cpp", "bindings.cpp")]
 MAX_ROWS = 2  # token rows the kernel takes: decode steps of one or two sequences
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-fopenmp"]
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "avx512_vnni")
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c", "-fopenmp"]
 QUANT_CODES = {"q8_0": 0, "q4_0": 1}  # quant_linear's format argument
 
 
@@ -51,7 +52,7 @@ def _unusable() -> str | None:
     if os.environ.get("LINNET_DECODE_KERNELS", "1") == "0":
         return "turned off by LINNET_DECODE_KERNELS=0"
     if not cpu_has_bf16_dot():
-        return "this CPU has no AVX-512 BF16: decode uses oneDNN and SDPA"
+        return "this CPU lacks AVX-512 BF16 or VNNI: decode uses oneDNN and SDPA"
     return None
 
 
@@ -83,11 +84,12 @@ def _self_check(ext) -> str | None:
         if not torch.allclose(ext.gemv_bf16(x, w).float(), F.linear(x, w).float(), atol=5e-2, rtol=2e-2):
             return "its GEMV disagreed with F.linear"
     for fmt in QUANT_CODES:
-        for rows in (1, 3, 5, 11):  # the register kernel's groups and the panel path
-            x, wq = torch.randn(rows, 96, generator=g), quantize(torch.randn(40, 96, generator=g), fmt)
-            if not torch.allclose(ext.quant_linear(x, wq, QUANT_CODES[fmt]), F.linear(x, dequantize(wq, fmt)),
-                                  atol=1e-4, rtol=1e-4):
-                return f"its {fmt} linear disagreed with F.linear over the dequantized weights"
+        for rows in (1, 3, 5, 11):  # token rows in and past one register pass; 43 rows: a padded group
+            x, wq = torch.randn(rows, 96, generator=g), quantize(torch.randn(43, 96, generator=g), fmt)
+            want = F.linear(int8_blocks(x), dequantize(wq, fmt))
+            got = ext.quant_linear(x, ext.repack_rows8(wq, QUANT_CODES[fmt]), QUANT_CODES[fmt], 43)
+            if not torch.allclose(got, want, atol=1e-4, rtol=1e-4):
+                return f"its {fmt} linear disagreed with F.linear over the rounded activations and dequantized weights"
     k, v = torch.randn(2, 3, 2, 12, 32, generator=g), torch.randn(2, 3, 2, 12, 32, generator=g)  # [L, rows, KV, S, D]
     q, slots, pos = torch.randn(2, 4, 32, generator=g), torch.tensor([2, 0]), torch.tensor([11, 4])
     for window in (0, 3):
@@ -197,9 +199,16 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y if bias is None else y + bias
 
 
-def quant_linear(x: torch.Tensor, blocks: torch.Tensor, fmt: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (float32) @ W.T (+ bias), W [N, K] as `fmt` blocks [N, K / 32 * block bytes]."""
-    y = extension().quant_linear(x, blocks, QUANT_CODES[fmt])
+def repack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """`fmt` blocks [N, K / 32 * block bytes] -> the same bytes as `quant_linear` reads them (8 rows
+    interleaved per block; a copy)."""
+    return extension().repack_rows8(blocks, QUANT_CODES[fmt])
+
+
+def quant_linear(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (float32) @ W.T (+ bias), W [out_features, K] as `fmt` blocks from `repack`."""
+    y = extension().quant_linear(x, packed, QUANT_CODES[fmt], out_features)
     return y if bias is None else y + bias
 
 

@@ -142,6 +142,9 @@ class OnnxRuntimeBackend(Backend):
     title = "ONNX Runtime"
     artifact_format = "4"
     ragged = True  # the graph takes mixed steps (TensorRT's builder keeps the dense [B, T] form)
+    # MatMulNBits at accuracy level 4 (onnx_emit.NBITS_ACCURACY): the int8 kernels that make it fast
+    # on CPU round activations per block, as llama.cpp does; the CUDA provider's kernel dequantizes.
+    int8_activations_on_cpu = True
     copies_of_tied = 2  # ONNX initializers: the embedding, and the head transposed for MatMul
 
     def providers(self, device: str) -> list[str]:
@@ -156,12 +159,6 @@ class OnnxRuntimeBackend(Backend):
         # The CPU provider has no float16 MatMul: it casts those weights to float32 at load and
         # keeps both (measured: 2x the float16 bytes).
         return 2.0 if device == "cpu" and dtype == "float16" else 1.0
-
-    def activations(self, dtype: str, device: str = "cpu") -> str:
-        # MatMulNBits at accuracy level 4 (onnx_emit.NBITS_ACCURACY): the int8 kernels that make it
-        # fast on CPU quantize the activations per block, as llama.cpp does for q8_0 and q4_0; the
-        # CUDA provider's kernel dequantizes instead (the level is a CPU choice).
-        return "int8" if FORMATS[dtype].quantized and device == "cpu" else compute_dtype(dtype)
 
     def check_device(self, device: str) -> None:
         super().check_device(device)

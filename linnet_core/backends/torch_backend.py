@@ -138,6 +138,7 @@ class TorchBackend(Backend):
     title = "generated PyTorch"
 
     ragged = True  # the serving engine's mixed steps run as one call
+    int8_activations_on_cpu = True  # Linnet's CPU kernels (quant_linear.cpp); BlockLinear on a GPU dequantizes
     artifact_format = "9"
 
     def toolchain(self) -> dict[str, str]:

@@ -5,10 +5,12 @@ torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                int64_t layer, const torch::Tensor& slots, const torch::Tensor& pos, int64_t window,
                                double scale);
-torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt);
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t out_features);
+torch::Tensor repack_rows8(const torch::Tensor& w, int64_t fmt);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16, "bf16 x [M<=2, K] @ w [N, K].T");
-  m.def("quant_linear", &quant_linear, "float32 x [..., K] @ W.T, W as GGUF q8_0 (0) / q4_0 (1) blocks [N, K/32*bb]");
+  m.def("quant_linear", &quant_linear, "float32 x [..., K] @ W.T, W [N, K] as q8_0 (0) / q4_0 (1) blocks from repack_rows8");
+  m.def("repack_rows8", &repack_rows8, "GGUF q8_0 (0) / q4_0 (1) blocks [N, K/32*bb] -> 8 rows interleaved per block");
   m.def("decode_attention", &decode_attention, "one-token queries [B, H, D] over the KV cache in place");
 }

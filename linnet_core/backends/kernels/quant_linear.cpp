@@ -1,9 +1,16 @@
-// y [M, N] = x [M, K] @ W.T in float32, W [N, K] held as GGUF blocks (q8_0 or q4_0; quant.py).
-// Each block is dequantized in registers to exactly the float32 values quant.dequantize gives (an
-// f16 scale times a small integer is exact in float32), so the kernel differs from a float32
-// matmul over the dequantized weights only in summation order. Decode (a few token rows) streams
-// the blocks once for all rows; larger steps dequantize a panel of rows into a buffer and call
-// at::mm, the weights staying compressed in memory either way.
+// y [M, N] = x [M, K] @ W.T, W [N, K] GGUF q8_0 / q4_0 blocks (quant.py), computed as llama.cpp
+// computes it: the activations rounded to int8 blocks of 32 (a float32 scale amax / 127, half away
+// from zero: quant.int8_blocks gives the same values), each block's products summed in int32 by
+// AVX-512 VNNI's u8 x s8 dot product, then scaled by both blocks' scales in float32. The int32 sums
+// are exact, so the result differs from a float32 matmul of the rounded activations and the
+// dequantized weights only in the float summation order.
+//
+// The weights are repacked once at load (`repack_rows8`, same bytes in another order, as llama.cpp's
+// CPU_REPACK buffers do): 8 rows interleaved per block, so one 32-byte vector holds 4 weights of each
+// of the 8 rows and a dot product lane is a row. A block then costs a few vector ops for 8 rows and
+// no horizontal sums; row-at-a-time q4_0 was compute-bound at 22 GB/s on this machine class, this
+// streams what a plain read of memory does. One register kernel serves decode and prompts: each
+// group of 8 rows is run against every token row while its blocks sit in L1.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -11,132 +18,149 @@
 namespace {
 
 constexpr int64_t BLOCK = 32;
-constexpr int64_t ROWS_PER_TASK = 32;  // weight rows per parallel task
-constexpr int64_t PANEL_ROWS = 256;    // weight rows dequantized per at::mm call in larger steps
-constexpr int MAX_GEMV_ROWS = 4;       // token rows the register kernel takes at once
+constexpr int64_t ROWS = 8;    // weight rows interleaved in a group (one dot-product lane each)
+constexpr int MAX_M = 4;       // token rows per register pass
+constexpr int64_t GROUPS_PER_TASK = 4;
 
 enum Format : int64_t { Q8_0 = 0, Q4_0 = 1 };
 
 inline int64_t block_bytes(int64_t fmt) { return fmt == Q8_0 ? 34 : 18; }
+inline int64_t quant_bytes(int64_t fmt) { return block_bytes(fmt) - 2; }
 
-inline float scale_of(const uint8_t* blk) {
-  uint16_t h;
-  std::memcpy(&h, blk, 2);
-  return _cvtsh_ss(h);
+// The activations as int8 blocks: q [M, K], scales d [M, nb], and for q4_0 (nibbles stored 8 above
+// the value) -8 * each block's sum, corr [M, nb], where the block's dot product starts.
+struct Acts {
+  const int8_t* q;
+  const float* d;
+  const int32_t* corr;
+  int64_t K;
+};
+
+inline __m512 round_half_away(__m512 v) {  // as C's roundf: floor(|v|) + floor(2 * frac), signed
+  const __m512 a = _mm512_abs_ps(v);
+  const __m512 f = _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 frac2 = _mm512_add_ps(_mm512_sub_ps(a, f), _mm512_sub_ps(a, f));
+  const __m512 r = _mm512_add_ps(f, _mm512_roundscale_ps(frac2, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r),
+                                             _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN))));
 }
 
-// One block's 32 weights as two float32 vectors (weights 0..15 and 16..31).
+inline __m128i to_int8(__m512 v) { return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(round_half_away(v))); }
+
+void quantize_acts(const float* x, int64_t blocks, bool with_corr, int8_t* q, float* d, int32_t* corr) {
+  at::parallel_for(0, blocks, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {  // row m's block b is i = m * nb + b: rows are contiguous
+      const __m512 lo = _mm512_loadu_ps(x + i * BLOCK), hi = _mm512_loadu_ps(x + i * BLOCK + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float scale = amax / 127.0f;
+      const __m512 inv = _mm512_set1_ps(scale == 0.0f ? 0.0f : 1.0f / scale);
+      const __m128i qlo = to_int8(_mm512_mul_ps(lo, inv)), qhi = to_int8(_mm512_mul_ps(hi, inv));
+      _mm_storeu_si128((__m128i*)(q + i * BLOCK), qlo);
+      _mm_storeu_si128((__m128i*)(q + i * BLOCK + 16), qhi);
+      d[i] = scale;
+      if (with_corr) corr[i] = -8 * _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_cvtepi8_epi32(qlo), _mm512_cvtepi8_epi32(qhi)));
+    }
+  });
+}
+
+// A repacked block of a group: the 8 rows' f16 scales (16 bytes), then the quants as 32-byte chunks,
+// chunk c holding bytes [4c, 4c + 4) of each row's quants in row order. q4_0's chunk c gives weights
+// 4c..4c+3 (low nibbles) and 16+4c..16+4c+3 (high nibbles); q8_0's chunk c weights 4c..4c+3.
 template <int64_t F>
-inline void dequant_block(const uint8_t* blk, __m512& lo, __m512& hi) {
-  const __m512 d = _mm512_set1_ps(scale_of(blk));
-  if constexpr (F == Q8_0) {
-    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 2))));
-    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 18))));
-  } else {  // byte j: weight j in the low nibble, weight j + 16 in the high one; offset 8
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 2)));
-    const __m512i eight = _mm512_set1_epi32(8);
-    lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), eight));
-    hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), eight));
-  }
-  lo = _mm512_mul_ps(lo, d);
-  hi = _mm512_mul_ps(hi, d);
-}
-
-// Rows [n0, n1) of y for M token rows, R weight rows per pass (M * R accumulators in registers).
-template <int64_t F, int M, int R>
-void gemv_rows(const float* x, const uint8_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
-  const int64_t row_bytes = K / BLOCK * block_bytes(F);
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    __m512 acc[M][R];
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < K / BLOCK; ++b) {
-      __m512 lo[R], hi[R];
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* blk = w + (n + r) * row_bytes + b * block_bytes(F);
-        _mm_prefetch((const char*)(blk + R * row_bytes), _MM_HINT_T0);  // the next group's rows: streams
-        dequant_block<F>(blk, lo[r], hi[r]);                             // too short for the prefetcher
+inline void group_dot(const Acts& a, int64_t m0, int MM, const uint8_t* g, int64_t nb, float* y, int64_t N,
+                      int64_t valid) {
+  constexpr int64_t gbytes = ROWS * (F == Q8_0 ? 34 : 18);
+  __m256 acc[MAX_M];
+  for (int m = 0; m < MAX_M; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, g += gbytes) {
+    const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
+    __m256i w[8], wabs[8];
+    if constexpr (F == Q4_0) {
+      for (int c = 0; c < 4; ++c) {
+        const __m256i packed = _mm256_loadu_si256((const __m256i*)(g + 16 + 32 * c));
+        w[c] = _mm256_and_si256(packed, _mm256_set1_epi8(0x0F));
+        w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F));
       }
-      for (int m = 0; m < M; ++m) {
-        const __m512 x0 = _mm512_loadu_ps(x + m * K + b * BLOCK), x1 = _mm512_loadu_ps(x + m * K + b * BLOCK + 16);
-        for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(hi[r], x1, _mm512_fmadd_ps(lo[r], x0, acc[m][r]));
+    } else {
+      for (int c = 0; c < 8; ++c) {
+        w[c] = _mm256_loadu_si256((const __m256i*)(g + 16 + 32 * c));
+        wabs[c] = _mm256_sign_epi8(w[c], w[c]);  // u8 x s8: |w| times sign(w) * x
       }
     }
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < R; ++r) y[m * N + n + r] = _mm512_reduce_add_ps(acc[m][r]);
-  }
-  if (n < n1) gemv_rows<F, M, 1>(x, w, K, N, n, n1, y);  // the last rows, one at a time
-}
-
-template <int64_t F, int M>
-void gemv(const float* x, const uint8_t* w, int64_t K, int64_t N, float* y) {
-  at::parallel_for(0, (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK, 1, [&](int64_t t0, int64_t t1) {
-    gemv_rows<F, M, (M > 2 ? 2 : 4)>(x, w, K, N, t0 * ROWS_PER_TASK, std::min(N, t1 * ROWS_PER_TASK), y);
-  });
-}
-
-template <int64_t F>
-void gemv_any(const float* x, const uint8_t* w, int64_t K, int64_t N, int64_t M, float* y) {
-  switch (M) {
-    case 1: return gemv<F, 1>(x, w, K, N, y);
-    case 2: return gemv<F, 2>(x, w, K, N, y);
-    case 3: return gemv<F, 3>(x, w, K, N, y);
-    default: return gemv<F, 4>(x, w, K, N, y);
-  }
-}
-
-// Rows [n0, n1) of W as float32 [n1 - n0, K] into out.
-template <int64_t F>
-void dequant_rows(const uint8_t* w, int64_t K, int64_t n0, int64_t n1, float* out) {
-  const int64_t row_bytes = K / BLOCK * block_bytes(F);
-  at::parallel_for(n0, n1, 8, [&](int64_t r0, int64_t r1) {
-    for (int64_t n = r0; n < r1; ++n)
-      for (int64_t b = 0; b < K / BLOCK; ++b) {
-        __m512 lo, hi;
-        dequant_block<F>(w + n * row_bytes + b * block_bytes(F), lo, hi);
-        _mm512_storeu_ps(out + (n - n0) * K + b * BLOCK, lo);
-        _mm512_storeu_ps(out + (n - n0) * K + b * BLOCK + 16, hi);
+    for (int m = 0; m < MM; ++m) {
+      const int64_t i = (m0 + m) * nb + b;
+      const int32_t* xq = (const int32_t*)(a.q + i * BLOCK);  // 4 activations per 32-bit word
+      __m256i s;
+      if constexpr (F == Q4_0) {
+        s = _mm256_set1_epi32(a.corr[i]);
+        for (int c = 0; c < 8; ++c) s = _mm256_dpbusd_epi32(s, w[c], _mm256_set1_epi32(xq[c]));
+      } else {
+        s = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c)
+          s = _mm256_dpbusd_epi32(s, wabs[c], _mm256_sign_epi8(_mm256_set1_epi32(xq[c]), w[c]));
       }
-  });
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(wd, _mm256_set1_ps(a.d[i])), acc[m]);
+    }
+  }
+  const __mmask8 keep = (__mmask8)((1u << valid) - 1);  // a last group padded past N
+  for (int m = 0; m < MM; ++m) _mm256_mask_storeu_ps(y + (m0 + m) * N, keep, acc[m]);
 }
 
 template <int64_t F>
-void panels(const torch::Tensor& x, const uint8_t* w, int64_t K, int64_t N, torch::Tensor& y) {
-  auto panel = torch::empty({std::min(PANEL_ROWS, N), K}, x.options());
-  for (int64_t n0 = 0; n0 < N; n0 += PANEL_ROWS) {
-    const int64_t rows = std::min(PANEL_ROWS, N - n0);
-    dequant_rows<F>(w, K, n0, n0 + rows, panel.data_ptr<float>());
-    y.narrow(1, n0, rows).copy_(at::mm(x, panel.narrow(0, 0, rows).t()));
-  }
+void matmul(const Acts& a, int64_t M, const uint8_t* w, int64_t N, float* y) {
+  const int64_t nb = a.K / BLOCK, groups = (N + ROWS - 1) / ROWS, gstride = nb * ROWS * block_bytes(F);
+  at::parallel_for(0, (groups + GROUPS_PER_TASK - 1) / GROUPS_PER_TASK, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t grp = t0 * GROUPS_PER_TASK; grp < std::min(groups, t1 * GROUPS_PER_TASK); ++grp)
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_M)
+        group_dot<F>(a, m0, (int)std::min<int64_t>(MAX_M, M - m0), w + grp * gstride, nb, y + grp * ROWS, N,
+                     std::min(ROWS, N - grp * ROWS));
+  });
 }
 
 }  // namespace
 
-torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt) {
+torch::Tensor repack_rows8(const torch::Tensor& w, int64_t fmt) {
+  TORCH_CHECK(fmt == Q8_0 || fmt == Q4_0, "repack_rows8: format 0 (q8_0) or 1 (q4_0)");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.size(1) % block_bytes(fmt) == 0,
+              "repack_rows8: uint8 blocks [N, K / 32 * block bytes]");
+  const auto src = w.contiguous();
+  const int64_t N = src.size(0), bb = block_bytes(fmt), qb = quant_bytes(fmt), nb = src.size(1) / bb;
+  const int64_t groups = (N + ROWS - 1) / ROWS;
+  auto out = torch::zeros({groups, nb * ROWS * bb}, src.options());  // padding rows: scale 0, quants 0
+  const uint8_t* s = src.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t grp = g0; grp < g1; ++grp)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* dst = o + (grp * nb + b) * ROWS * bb;
+        for (int64_t r = 0; r < ROWS && grp * ROWS + r < N; ++r) {
+          const uint8_t* blk = s + (grp * ROWS + r) * src.size(1) + b * bb;
+          std::memcpy(dst + 2 * r, blk, 2);
+          for (int64_t c = 0; c < qb / 4; ++c) std::memcpy(dst + 16 + 32 * c + 4 * r, blk + 2 + 4 * c, 4);
+        }
+      }
+  });
+  return out;
+}
+
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t out_features) {
   TORCH_CHECK(fmt == Q8_0 || fmt == Q4_0, "quant_linear: format 0 (q8_0) or 1 (q4_0)");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte && w.dim() == 2,
-              "quant_linear: float32 x, uint8 blocks w [N, K / 32 * block bytes]");
-  TORCH_CHECK(w.is_contiguous() && w.size(1) % block_bytes(fmt) == 0, "quant_linear: contiguous whole blocks");
-  const int64_t N = w.size(0), K = w.size(1) / block_bytes(fmt) * BLOCK;
-  TORCH_CHECK(x.size(-1) == K, "quant_linear: x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              "quant_linear: float32 x, blocks w from repack_rows8");
+  const int64_t N = out_features, K = x.size(-1), nb = K / BLOCK;
+  TORCH_CHECK(K % BLOCK == 0 && w.size(0) == (N + ROWS - 1) / ROWS && w.size(1) == nb * ROWS * block_bytes(fmt),
+              "quant_linear: x has ", K, " features, the repacked weight ", w.sizes());
   const auto x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
+  auto q = torch::empty({M, K}, x.options().dtype(at::kChar));
+  auto d = torch::empty({M, nb}, x.options());
+  auto corr = torch::empty({M, nb}, x.options().dtype(at::kInt));
+  quantize_acts(x2.data_ptr<float>(), M * nb, fmt == Q4_0, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                corr.data_ptr<int32_t>());
+  const Acts acts{q.data_ptr<int8_t>(), d.data_ptr<float>(), corr.data_ptr<int32_t>(), K};
   auto y = torch::empty({M, N}, x.options());
-  const auto* wp = w.data_ptr<uint8_t>();
-  if (M <= 2 * MAX_GEMV_ROWS) {  // decode: the blocks streamed once per group of token rows
-    for (int64_t m0 = 0; m0 < M; m0 += MAX_GEMV_ROWS) {
-      const int64_t rows = std::min<int64_t>(MAX_GEMV_ROWS, M - m0);
-      const float* xp = x2.data_ptr<float>() + m0 * K;
-      float* yp = y.data_ptr<float>() + m0 * N;
-      if (fmt == Q8_0) gemv_any<Q8_0>(xp, wp, K, N, rows, yp);
-      else gemv_any<Q4_0>(xp, wp, K, N, rows, yp);
-    }
-  } else if (fmt == Q8_0) {
-    panels<Q8_0>(x2, wp, K, N, y);
-  } else {
-    panels<Q4_0>(x2, wp, K, N, y);
-  }
+  if (fmt == Q8_0) matmul<Q8_0>(acts, M, w.data_ptr<uint8_t>(), N, y.data_ptr<float>());
+  else matmul<Q4_0>(acts, M, w.data_ptr<uint8_t>(), N, y.data_ptr<float>());
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   return y.view(sizes);
