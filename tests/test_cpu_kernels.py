@@ -143,3 +143,23 @@ def test_a_fresh_machine_builds_the_kernel(ext, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.startswith("True"), out.stdout + out.stderr
     assert list((tmp_path / "kernels").glob("decode_kernels-*/*.so"))
+
+
+def test_compiled_steps_reach_the_kernels_through_cpp_operators(ext):
+    """torch.ops.linnet_kernels.* take a handle into the session made active in this thread: each
+    session's own weights, exactly the eager kernels' results, and a clear error outside one."""
+    from linnet_core.backends.cpu_kernels import Kernels, QuantLinear, QuantTable, active
+    from linnet_core.quant import dequantize, quantize
+
+    g = torch.Generator().manual_seed(4)
+    blocks = [quantize(torch.randn(40, 64, generator=g), "q4_0") for _ in range(2)]
+    sessions = [Kernels([QuantLinear(b, 0, "q4_0"), QuantTable(b, 1, "q4_0")]) for b in blocks]
+    x, ids = torch.randn(3, 64, generator=g), torch.tensor([[0, 39, 7]])
+    for kernels, b in zip(sessions, blocks):
+        with active(kernels):
+            assert torch.equal(torch.ops.linnet_kernels.linear(x, 0, 40), kernels[0].eager(x, None))
+            assert torch.equal(torch.ops.linnet_kernels.embedding(ids, 1, 64), dequantize(b, "q4_0")[ids])
+            with pytest.raises(RuntimeError, match="no session's kernel 1"):
+                torch.ops.linnet_kernels.linear(x, 1, 40)  # a table is no linear
+    with pytest.raises(RuntimeError, match="no session's kernel 0"):
+        torch.ops.linnet_kernels.linear(x, 0, 40)  # none active in this thread now

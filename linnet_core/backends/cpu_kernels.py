@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import Optional
 
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dtypes import FORMATS
-from ..quant import BLOCK, dequantize
+from ..quant import BLOCK
 from . import decode_kernels
 
 
@@ -49,18 +50,39 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
 
+_NO_TENSOR = torch.empty(0)
 _active = threading.local()  # the kernels of the session whose compiled step runs in this thread
+
+NATIVE_NONE, NATIVE_BF16, NATIVE_BLOCKS, NATIVE_TABLE = 0, 1, 2, 3  # kernels/ops.cpp's kinds
+
+
+class Kernels(list):
+    """A session's CPU kernels in handle order. Those of Linnet's own (bf16 GEMV, blocks) are also
+    registered once with the C++ operators (kernels/ops.cpp) that compiled steps call."""
+
+    def __init__(self, kernels: list):
+        super().__init__(kernels)
+        self.native = 0
+        natives = [k.native() for k in kernels]
+        ext = decode_kernels.extension()
+        if ext is not None and any(kind != NATIVE_NONE for kind, _, _ in natives):
+            self.native = ext.register_kernels(natives)
+            weakref.finalize(self, ext.release_kernels, self.native)
 
 
 @contextmanager
-def active(kernels: list["PackedLinear"]):
-    """Make `kernels` the ones `packed_linear` handles refer to, while a compiled step runs."""
+def active(kernels: Kernels):
+    """Make `kernels` the ones handles refer to (Python's ops and the C++ ones), while a compiled step runs."""
     previous = getattr(_active, "kernels", None)
     _active.kernels = kernels
+    ext = decode_kernels.extension() if kernels.native else None
+    native_before = ext.activate(kernels.native) if ext is not None else None
     try:
         yield
     finally:
         _active.kernels = previous
+        if ext is not None:
+            ext.activate(native_before)
 
 
 @torch.library.custom_op("linnet::packed_linear", mutates_args=())
@@ -89,12 +111,18 @@ class CpuLinear:
         self.handle = handle
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # traced: one opaque op for the compiler
+        if torch.compiler.is_compiling():  # traced: one opaque op for the compiler, C++ where it can be
+            if self.native()[0] != NATIVE_NONE:
+                return torch.ops.linnet_kernels.linear(x, self.handle, self.out_features, bias)
             return torch.ops.linnet.packed_linear(x, self.handle, self.out_features, bias)
         return self.eager(x, bias)  # eager: no dispatch detour
 
     def eager(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
+
+    def native(self) -> tuple[int, torch.Tensor, int]:
+        """(kind, weight, format code) for kernels/ops.cpp; kind NATIVE_NONE: a Python-side kernel."""
+        return NATIVE_NONE, _NO_TENSOR, 0
 
 
 class PackedLinear(CpuLinear):
@@ -119,6 +147,9 @@ class DecodeLinear(CpuLinear):
     def eager(self, x, bias):
         return decode_kernels.decode_linear(x, self.weight, bias)
 
+    def native(self):
+        return NATIVE_BF16, self.weight, 0
+
 
 class QuantLinear(CpuLinear):
     """A weight held as GGUF blocks (q8_0, q4_0), repacked once for Linnet's int8 kernel (the same
@@ -131,16 +162,8 @@ class QuantLinear(CpuLinear):
     def eager(self, x, bias):
         return decode_kernels.quant_linear(x, self.packed, self.fmt, self.out_features, bias)
 
-
-@torch.library.custom_op("linnet::quant_rows", mutates_args=())
-def quant_rows(ids: torch.Tensor, handle: int, width: int) -> torch.Tensor:
-    """Rows `ids` of the running session's quantized table number `handle`, dequantized (float32)."""
-    return _active.kernels[handle].eager(ids)
-
-
-@quant_rows.register_fake
-def _(ids, handle, width):
-    return ids.new_empty((*ids.shape, width), dtype=torch.float32)
+    def native(self):
+        return NATIVE_BLOCKS, self.packed, decode_kernels.QUANT_CODES[self.fmt]
 
 
 class QuantTable:
@@ -151,13 +174,13 @@ class QuantTable:
         self.width = blocks.shape[1] // FORMATS[fmt].block_bytes * BLOCK
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [...] -> float32 rows [..., width]."""
-        if torch.compiler.is_compiling():
-            return torch.ops.linnet.quant_rows(ids, self.handle, self.width)
-        return self.eager(ids)
+        """ids [...] -> float32 rows [..., width] (exactly quant.dequantize's)."""
+        if torch.compiler.is_compiling():  # kernels/ops.cpp's operator
+            return torch.ops.linnet_kernels.embedding(ids, self.handle, self.width)
+        return decode_kernels.extension().dequant_rows(self.blocks, ids, decode_kernels.QUANT_CODES[self.fmt])
 
-    def eager(self, ids: torch.Tensor) -> torch.Tensor:
-        return dequantize(self.blocks[ids], self.fmt)
+    def native(self):
+        return NATIVE_TABLE, self.blocks, decode_kernels.QUANT_CODES[self.fmt]
 
 
 def linear_kernel(dtype: torch.dtype) -> type[CpuLinear] | None:
@@ -194,19 +217,7 @@ def pack_linear_weights(weights: dict, names: dict[str, list[str]], pack: bool =
             else:
                 continue
             kernels.append(group[name])
-    return kernels
-
-
-@torch.library.custom_op("linnet::decode_attention", mutates_args=())
-def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int, slots: torch.Tensor,
-                        pos: torch.Tensor, window: int, scale: float) -> torch.Tensor:
-    """Linnet's decode attention as one opaque op for torch.compile (shape from the fake below)."""
-    return decode_kernels.extension().decode_attention(q.contiguous(), k_cache, v_cache, layer, slots, pos, window, scale)
-
-
-@decode_attention_op.register_fake
-def _(q, k_cache, v_cache, layer, slots, pos, window, scale):
-    return torch.empty_like(q)
+    return Kernels(kernels)
 
 
 class DecodeAttention:
@@ -218,8 +229,8 @@ class DecodeAttention:
 
     def __call__(self, q, pos, slots, k_cache, v_cache, layer: int, window: int | None, scale: float):
         """q [B, H, D] at positions pos [B] of cache rows slots [B] -> [B, H, D]."""
-        if torch.compiler.is_compiling():
-            return torch.ops.linnet.decode_attention(q, k_cache, v_cache, layer, slots, pos, window or 0, scale)
+        if torch.compiler.is_compiling():  # kernels/ops.cpp's operator
+            return torch.ops.linnet_kernels.decode_attention(q, k_cache, v_cache, layer, slots, pos, window or 0, scale)
         return self.ext.decode_attention(q.contiguous(), k_cache, v_cache, layer, slots, pos, window or 0, scale)
 
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..quant import dequantize, int8_blocks, quantize
 
 SOURCES = [Path(__file__).parent / "kernels" / f
-           for f in ("gemv_bf16.cpp", "quant_linear.cpp", "decode_attention.cpp", "bindings.cpp")]
+           for f in ("gemv_bf16.cpp", "quant_linear.cpp", "decode_attention.cpp", "ops.cpp", "bindings.cpp")]
 MAX_ROWS = 2  # token rows the kernel takes: decode steps of one or two sequences
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "avx512_vnni")
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c", "-fopenmp"]
@@ -111,7 +111,25 @@ def _loaded():
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the generic ops serve
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
         return None, f"they could not be built ({type(e).__name__}: {last})"
-    return (None, why) if why else (ext, None)
+    if why:
+        return None, why
+    _register_fakes()
+    return ext, None
+
+
+def _register_fakes() -> None:
+    """Output shapes of kernels/ops.cpp's operators, for torch.compile's tracing."""
+    @torch.library.register_fake("linnet_kernels::linear")
+    def _(x, handle, out_features, bias=None):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+    @torch.library.register_fake("linnet_kernels::embedding")
+    def _(ids, handle, width):
+        return ids.new_empty((*ids.shape, width), dtype=torch.float32)
+
+    @torch.library.register_fake("linnet_kernels::decode_attention")
+    def _(q, k_cache, v_cache, layer, slots, pos, window, scale):
+        return torch.empty_like(q)
 
 
 def extension():

@@ -7,10 +7,18 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
                                double scale);
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t out_features);
 torch::Tensor repack_rows8(const torch::Tensor& w, int64_t fmt);
+torch::Tensor dequant_rows(const torch::Tensor& blocks, const torch::Tensor& ids, int64_t fmt);
+int64_t register_kernels(const std::vector<std::tuple<int64_t, torch::Tensor, int64_t>>& kernels);
+void release_kernels(int64_t session);
+int64_t activate(int64_t session);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16, "bf16 x [M<=2, K] @ w [N, K].T");
   m.def("quant_linear", &quant_linear, "float32 x [..., K] @ W.T, W [N, K] as q8_0 (0) / q4_0 (1) blocks from repack_rows8");
   m.def("repack_rows8", &repack_rows8, "GGUF q8_0 (0) / q4_0 (1) blocks [N, K/32*bb] -> 8 rows interleaved per block");
+  m.def("dequant_rows", &dequant_rows, "rows ids [...] of q8_0 (0) / q4_0 (1) blocks [V, K/32*bb] -> float32 [..., K]");
+  m.def("register_kernels", &register_kernels, "a session's kernels [(kind, weight, format)] for ops.cpp; its id");
+  m.def("release_kernels", &release_kernels, "forget a session's kernels");
+  m.def("activate", &activate, "make a session's kernels active in this thread (0: none); the previous id");
   m.def("decode_attention", &decode_attention, "one-token queries [B, H, D] over the KV cache in place");
 }

@@ -143,6 +143,42 @@ torch::Tensor repack_rows8(const torch::Tensor& w, int64_t fmt) {
   return out;
 }
 
+// Rows `ids` [...] of a token table held as plain GGUF blocks [V, K / 32 * block bytes], as float32
+// [..., K]: exactly quant.dequantize's values (an f16 scale times a small integer is exact).
+torch::Tensor dequant_rows(const torch::Tensor& blocks, const torch::Tensor& ids, int64_t fmt) {
+  TORCH_CHECK(fmt == Q8_0 || fmt == Q4_0, "dequant_rows: format 0 (q8_0) or 1 (q4_0)");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+              blocks.size(1) % block_bytes(fmt) == 0, "dequant_rows: contiguous uint8 blocks [V, K / 32 * block bytes]");
+  const auto flat = ids.reshape({-1}).to(at::kLong).contiguous();
+  const int64_t V = blocks.size(0), nb = blocks.size(1) / block_bytes(fmt), K = nb * BLOCK, n = flat.numel();
+  auto out = torch::empty({n, K}, blocks.options().dtype(at::kFloat));
+  const int64_t* idp = flat.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(idp[i] >= 0 && idp[i] < V, "dequant_rows: id ", idp[i], " outside the table");
+  float* o = out.data_ptr<float>();
+  const uint8_t* base = blocks.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = base + idp[i] * blocks.size(1) + b * block_bytes(fmt);
+      uint16_t h;
+      std::memcpy(&h, blk, 2);
+      const __m512 d = _mm512_set1_ps(_cvtsh_ss(h));
+      __m512i lo, hi;
+      if (fmt == Q8_0) {
+        lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 2)));
+        hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 18)));
+      } else {  // byte j: weight j in the low nibble, weight j + 16 in the high one; offset 8
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 2)));
+        lo = _mm512_sub_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), _mm512_set1_epi32(8));
+        hi = _mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), _mm512_set1_epi32(8));
+      }
+      _mm512_storeu_ps(o + i * K + b * BLOCK, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d));
+      _mm512_storeu_ps(o + i * K + b * BLOCK + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d));
+    }
+  auto sizes = ids.sizes().vec();
+  sizes.push_back(K);
+  return out.view(sizes);
+}
+
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t out_features) {
   TORCH_CHECK(fmt == Q8_0 || fmt == Q4_0, "quant_linear: format 0 (q8_0) or 1 (q4_0)");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
