@@ -4,9 +4,11 @@
   step reads every weight once; oneDNN's bf16 kernel streams ~32 GB/s on this machine class, this
   one, with AVX-512 BF16's dot product as ggml's, ~41 (microbenchmark).
 - `quant_linear`: activations times weights held as GGUF q8_0 / q4_0 blocks (quant.py), as llama.cpp
-  multiplies them: activations rounded to int8 blocks, int32 block sums by AVX-512 VNNI. The
-  float32 path (dequantizing in registers) streamed q4_0 at 15.6 GB/s on this machine class, this
-  one ~26, what a plain read of memory reaches (`bench/quant_gemv.py`).
+  multiplies them: activations rounded to int8 blocks, int32 block sums by AVX-512 VNNI, over
+  blocks repacked once at load (8 rows interleaved). A float32 path (dequantizing in registers,
+  row by row) streamed q4_0 at 15.6 GB/s on this machine class; this one 36-47, a plain read of
+  memory's speed (`bench/quant_gemv.py`), and prompts run 2.7x faster than float32 F.linear.
+- `ops.cpp`: the kernels as C++ operators (`torch.ops.linnet_kernels.*`) for compiled steps.
 - `decode_attention`: one-token queries over the KV cache in place (float32, float16, bfloat16),
   where the generic path copies each row's keys and values and calls SDPA (~6x slower at
   Qwen3-4B's shapes, measured on a cold cache as in a step).
