@@ -25,7 +25,7 @@ def roundf(x: torch.Tensor) -> torch.Tensor:
     return x.sign() * (floored + (2 * (a - floored)).floor())
 
 
-def int8_blocks(x):
+def int8_blocks(x: torch.Tensor) -> torch.Tensor:
     """x [..., K] rounded as int8 blocks of 32 with a float32 scale amax / 127 (llama.cpp's q8_0
     activations; ONNX Runtime's MatMulNBits at accuracy level 4; Linnet's CPU kernels): the value
     each such kernel multiplies."""
