@@ -62,12 +62,12 @@ class Kernels(list):
 
     def __init__(self, kernels: list):
         super().__init__(kernels)
-        self.native = 0
+        self.native_id = 0  # the C++ side's id of this session's kernels; 0: none registered
         natives = [k.native() for k in kernels]
         ext = decode_kernels.extension()
         if ext is not None and any(kind != NATIVE_NONE for kind, _, _ in natives):
-            self.native = ext.register_kernels(natives)
-            weakref.finalize(self, ext.release_kernels, self.native)
+            self.native_id = ext.register_kernels(natives)
+            weakref.finalize(self, ext.release_kernels, self.native_id)
 
 
 @contextmanager
@@ -75,8 +75,8 @@ def active(kernels: Kernels):
     """Make `kernels` the ones handles refer to (Python's ops and the C++ ones), while a compiled step runs."""
     previous = getattr(_active, "kernels", None)
     _active.kernels = kernels
-    ext = decode_kernels.extension() if kernels.native else None
-    native_before = ext.activate(kernels.native) if ext is not None else None
+    ext = decode_kernels.extension() if kernels.native_id else None
+    native_before = ext.activate(kernels.native_id) if ext is not None else None
     try:
         yield
     finally:
@@ -113,7 +113,7 @@ class CpuLinear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():  # traced: one opaque op for the compiler, C++ where it can be
-            if self.native()[0] != NATIVE_NONE:
+            if self.native_kind != NATIVE_NONE:
                 return torch.ops.linnet_kernels.linear(x, self.handle, self.out_features, bias)
             return torch.ops.linnet.packed_linear(x, self.handle, self.out_features, bias)
         return self.eager(x, bias)  # eager: no dispatch detour
@@ -121,8 +121,10 @@ class CpuLinear:
     def eager(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    native_kind = NATIVE_NONE  # kernels/ops.cpp's kind; NATIVE_NONE: a Python-side kernel
+
     def native(self) -> tuple[int, torch.Tensor, int]:
-        """(kind, weight, format code) for kernels/ops.cpp; kind NATIVE_NONE: a Python-side kernel."""
+        """(kind, weight, format code) for kernels/ops.cpp."""
         return NATIVE_NONE, _NO_TENSOR, 0
 
 
@@ -148,8 +150,10 @@ class DecodeLinear(CpuLinear):
     def eager(self, x, bias):
         return decode_kernels.decode_linear(x, self.weight, bias)
 
+    native_kind = NATIVE_BF16
+
     def native(self):
-        return NATIVE_BF16, self.weight, 0
+        return self.native_kind, self.weight, 0
 
 
 class QuantLinear(CpuLinear):
@@ -163,8 +167,10 @@ class QuantLinear(CpuLinear):
     def eager(self, x, bias):
         return decode_kernels.quant_linear(x, self.packed, self.fmt, self.out_features, bias)
 
+    native_kind = NATIVE_BLOCKS
+
     def native(self):
-        return NATIVE_BLOCKS, self.packed, decode_kernels.QUANT_CODES[self.fmt]
+        return self.native_kind, self.packed, decode_kernels.QUANT_CODES[self.fmt]
 
 
 class QuantTable:
