@@ -163,3 +163,18 @@ def test_compiled_steps_reach_the_kernels_through_cpp_operators(ext):
                 torch.ops.linnet_kernels.linear(x, 1, 40)  # a table is no linear
     with pytest.raises(RuntimeError, match="no session's kernel 0"):
         torch.ops.linnet_kernels.linear(x, 0, 40)  # none active in this thread now
+
+
+def test_float16_linears_run_prompts_through_float32_panels(ext):
+    """Decode rows as F.linear computes them; a prompt through float32 panels (past one 512-row panel)."""
+    from linnet_core.backends.cpu_kernels import HalfLinear
+
+    assert linear_kernel(torch.float16) is HalfLinear
+    g = torch.Generator().manual_seed(6)
+    w, b = torch.randn(700, 64, generator=g).half(), torch.randn(700, generator=g).half()
+    one = torch.randn(1, 1, 64, generator=g).half()
+    assert torch.equal(HalfLinear(w, 0).eager(one, b), F.linear(one, w) + b)
+    prompt = torch.randn(2, 9, 64, generator=g).half()
+    got = HalfLinear(w, 0).eager(prompt, None)
+    assert got.dtype == torch.float16 and got.shape == (2, 9, 700)
+    assert torch.allclose(got.float(), F.linear(prompt.float(), w.float()), atol=1e-2, rtol=1e-3)

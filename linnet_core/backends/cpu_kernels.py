@@ -53,7 +53,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 _NO_TENSOR = torch.empty(0)
 _active = threading.local()  # the kernels of the session whose compiled step runs in this thread
 
-NATIVE_NONE, NATIVE_BF16, NATIVE_BLOCKS, NATIVE_TABLE = 0, 1, 2, 3  # kernels/ops.cpp's kinds
+NATIVE_NONE, NATIVE_BF16, NATIVE_BLOCKS, NATIVE_TABLE, NATIVE_F16 = 0, 1, 2, 3, 4  # kernels/ops.cpp's kinds
 
 
 class Kernels(list):
@@ -156,6 +156,24 @@ class DecodeLinear(CpuLinear):
         return self.native_kind, self.weight, 0
 
 
+class HalfLinear(CpuLinear):
+    """A float16 weight kept as mapped (no copy): F.linear for decode, and for prompts panels widened
+    to float32 for MKL's GEMM (PyTorch's CPU float16 GEMM ran 3.4x slower at Qwen3-4B's shapes)."""
+
+    native_kind = NATIVE_F16
+
+    def __init__(self, weight: torch.Tensor, handle: int):
+        super().__init__(weight, handle)
+        self.weight = weight
+
+    def eager(self, x, bias):
+        y = decode_kernels.extension().half_linear(x, self.weight)
+        return y if bias is None else y + bias
+
+    def native(self):
+        return self.native_kind, self.weight, 0
+
+
 class QuantLinear(CpuLinear):
     """A weight held as GGUF blocks (q8_0, q4_0), repacked once for Linnet's int8 kernel (the same
     bytes, 8 rows interleaved: a copy, the mapped original released); never a float copy."""
@@ -191,10 +209,13 @@ class QuantTable:
 
 
 def linear_kernel(dtype: torch.dtype) -> type[CpuLinear] | None:
-    """The kernel class for linear weights of `dtype` on this CPU: Linnet's own bf16 GEMV where
-    it builds and runs, else oneDNN's packed weights where they run, else none (F.linear)."""
+    """The kernel class for linear weights of `dtype` on this CPU: Linnet's own (bf16 GEMV, float16
+    prompts through float32 panels) where they build and run, else oneDNN's packed weights where
+    they run, else none (F.linear)."""
     if dtype == torch.bfloat16 and decode_kernels.extension() is not None:
         return DecodeLinear
+    if dtype == torch.float16 and decode_kernels.extension() is not None:
+        return HalfLinear
     return PackedLinear if packing_works(dtype) else None
 
 

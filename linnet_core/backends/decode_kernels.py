@@ -8,7 +8,8 @@
   blocks repacked once at load (8 rows interleaved). A float32 path (dequantizing in registers,
   row by row) streamed q4_0 at 15.6 GB/s on this machine class; this one 36-47, a plain read of
   memory's speed (`bench/quant_gemv.py`), and prompts run 2.7x faster than float32 F.linear.
-- `ops.cpp`: the kernels as C++ operators (`torch.ops.linnet_kernels.*`) for compiled steps.
+- `ops.cpp`: the kernels as C++ operators (`torch.ops.linnet_kernels.*`) for compiled steps, and
+  `half_linear`: float16 prompts through float32 panels (3.4x PyTorch's CPU float16 GEMM).
 - `decode_attention`: one-token queries over the KV cache in place (float32, float16, bfloat16),
   where the generic path copies each row's keys and values and calls SDPA (~6x slower at
   Qwen3-4B's shapes, measured on a cold cache as in a step).
@@ -85,6 +86,9 @@ def _self_check(ext) -> str | None:
         x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
         if not torch.allclose(ext.gemv_bf16(x, w).float(), F.linear(x, w).float(), atol=5e-2, rtol=2e-2):
             return "its GEMV disagreed with F.linear"
+    wh, xh = torch.randn(600, 96, generator=g).half(), torch.randn(5, 96, generator=g).half()  # two panels
+    if not torch.allclose(ext.half_linear(xh, wh).float(), F.linear(xh.float(), wh.float()), atol=5e-2, rtol=5e-3):
+        return "its float16 linear disagreed with F.linear"
     for fmt in QUANT_CODES:
         for rows in (1, 3, 5, 11):  # token rows in and past one register pass; 43 rows: a padded group
             x, wq = torch.randn(rows, 96, generator=g), quantize(torch.randn(43, 96, generator=g), fmt)

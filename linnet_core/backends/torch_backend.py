@@ -24,7 +24,7 @@ from ..runtime.session import Session
 from .artifact import WEIGHTS_FILE, import_generated, load_prepared_weights, read_info
 from .base import Backend
 from . import decode_kernels
-from .cpu_kernels import DecodeLinear, add_decode_attention, linear_kernel, pack_linear_weights
+from .cpu_kernels import DecodeLinear, HalfLinear, add_decode_attention, linear_kernel, pack_linear_weights
 from .torch_emit import emit
 
 
@@ -37,7 +37,7 @@ PACKED_AT_LOAD = ("float32",)
 
 def kernels_at_load(dtype: str) -> bool:
     """Whether a CPU session wraps its float linear weights in kernels at load (a copy only where packed)."""
-    return compute_dtype(dtype) in PACKED_AT_LOAD or linear_kernel(torch_dtype(dtype)) is DecodeLinear
+    return compute_dtype(dtype) in PACKED_AT_LOAD or linear_kernel(torch_dtype(dtype)) in (DecodeLinear, HalfLinear)
 
 
 def cpu_weights(weights: dict, info: dict) -> list:
