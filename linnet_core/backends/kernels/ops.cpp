@@ -61,6 +61,13 @@ torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& w) {
   return y.to(x.scalar_type()).view(sizes);
 }
 
+// x [..., K] @ w.T for bfloat16 w [N, K]: Linnet's GEMV for one or two bf16 rows, F.linear otherwise.
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  const int64_t K = x.size(-1), rows = x.numel() / K;
+  const bool gemv = x.scalar_type() == at::kBFloat16 && K % 32 == 0 && (rows == 1 || rows == 2);
+  return gemv ? gemv_bf16(x.contiguous(), w) : at::linear(x, w);
+}
+
 namespace {
 
 torch::Tensor linear(const torch::Tensor& x, int64_t handle, int64_t out_features, const c10::optional<torch::Tensor>& bias) {
@@ -71,9 +78,7 @@ torch::Tensor linear(const torch::Tensor& x, int64_t handle, int64_t out_feature
   } else if (k.kind == F16) {
     y = half_linear(x, k.weight);
   } else {
-    const int64_t K = x.size(-1), rows = x.numel() / K;
-    const bool gemv = x.scalar_type() == at::kBFloat16 && K % 32 == 0 && (rows == 1 || rows == 2);
-    y = gemv ? gemv_bf16(x.contiguous(), k.weight) : at::linear(x, k.weight);
+    y = bf16_linear(x, k.weight);
   }
   if (bias.has_value()) y.add_(*bias);
   return y;
