@@ -165,15 +165,26 @@ def test_compiled_steps_reach_the_kernels_through_cpp_operators(ext):
         torch.ops.linnet_kernels.linear(x, 0, 40)  # none active in this thread now
 
 
-def test_float16_linears_run_prompts_through_float32_panels(ext):
-    """Decode rows as F.linear computes them; a prompt through float32 panels (past one 512-row panel)."""
+def test_float16_linears_run_decode_by_the_gemv_and_prompts_through_float32_panels(ext):
+    """Decode rows by Linnet's GEMV (float32 inside, rounded once: within an ulp of float16 of the float32
+    product); a prompt through float32 panels (past one 512-row panel)."""
     from linnet_core.backends.cpu_kernels import HalfLinear
 
     assert linear_kernel(torch.float16) is HalfLinear
     g = torch.Generator().manual_seed(6)
     w, b = torch.randn(700, 64, generator=g).half(), torch.randn(700, generator=g).half()
+    for K in (48, 64):  # K % 32 == 16 takes the GEMV's single last step
+        for rows in (1, 2):
+            x = torch.randn(rows, 1, K, generator=g).half()
+            want = F.linear(x.float(), w[:, :K].float())
+            got = ext.gemv_f16(x, w[:, :K].contiguous())
+            assert got.dtype == torch.float16 and got.shape == (rows, 1, 700)
+            assert torch.allclose(got.float(), want, atol=2e-3, rtol=1e-3)  # float16's half-ulp is 2**-11
+            assert torch.equal(ext.half_linear(x, w[:, :K].contiguous()), got)
+    odd = torch.randn(1, 40, generator=g).half()  # K % 16 != 0: PyTorch's kernel, as it computes
+    assert torch.equal(ext.half_linear(odd, w[:, :40].contiguous()), F.linear(odd, w[:, :40]))
     one = torch.randn(1, 1, 64, generator=g).half()
-    assert torch.equal(HalfLinear(w, 0).eager(one, b), F.linear(one, w) + b)
+    assert torch.equal(HalfLinear(w, 0).eager(one, b), ext.gemv_f16(one, w) + b)
     prompt = torch.randn(2, 9, 64, generator=g).half()
     got = HalfLinear(w, 0).eager(prompt, None)
     assert got.dtype == torch.float16 and got.shape == (2, 9, 700)

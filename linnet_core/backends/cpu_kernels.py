@@ -157,8 +157,8 @@ class DecodeLinear(CpuLinear):
 
 
 class HalfLinear(CpuLinear):
-    """A float16 weight kept as mapped (no copy): F.linear for decode, and for prompts panels widened
-    to float32 for MKL's GEMM (PyTorch's CPU float16 GEMM ran 3.4x slower at Qwen3-4B's shapes)."""
+    """A float16 weight kept as mapped (no copy): Linnet's GEMV for decode, and for prompts panels
+    widened to float32 for MKL's GEMM (PyTorch's CPU float16 GEMM ran 3.4x slower at Qwen3-4B's shapes)."""
 
     native_kind = NATIVE_F16
 

@@ -1,15 +1,16 @@
 """Linnet's own CPU kernels for decode steps (kernels/*.cpp), built once per environment.
 
-- `gemv_bf16`: bfloat16 matrix-vector products for one or two token rows. At batch 1 a decode
-  step reads every weight once; oneDNN's bf16 kernel streams ~32 GB/s on this machine class, this
-  one, with AVX-512 BF16's dot product as ggml's, ~41 (microbenchmark).
+- `gemv_bf16`, `gemv_f16`: 16-bit matrix-vector products for one or two token rows. At batch 1 a
+  decode step reads every weight once; these stream it one weight row at a time (a plain read's
+  speed), bfloat16 with AVX-512 BF16's dot product as ggml's, float16 widened to float32 in registers.
 - `quant_linear`: activations times weights held as GGUF q8_0 / q4_0 blocks (quant.py), as llama.cpp
   multiplies them: activations rounded to int8 blocks, int32 block sums by AVX-512 VNNI, over
   blocks repacked once at load (8 rows interleaved). A float32 path (dequantizing in registers,
   row by row) streamed q4_0 at 15.6 GB/s on this machine class; this one 36-47, a plain read of
   memory's speed (`bench/quant_gemv.py`), and prompts run 2.7x faster than float32 F.linear.
 - `ops.cpp`: the kernels as C++ operators (`torch.ops.linnet_kernels.*`) for compiled steps, and
-  `half_linear`: float16 prompts through float32 panels (3.4x PyTorch's CPU float16 GEMM).
+  `half_linear`: float16 decode rows by the GEMV, prompts through float32 panels (3.4x PyTorch's
+  CPU float16 GEMM).
 - `decode_attention`: one-token queries over the KV cache in place (float32, float16, bfloat16),
   where the generic path copies each row's keys and values and calls SDPA (~6x slower at
   Qwen3-4B's shapes, measured on a cold cache as in a step).
@@ -33,8 +34,8 @@ import torch.nn.functional as F
 
 from ..quant import dequantize, int8_blocks, quantize
 
-SOURCES = [Path(__file__).parent / "kernels" / f
-           for f in ("gemv_bf16.cpp", "quant_linear.cpp", "decode_attention.cpp", "ops.cpp", "bindings.cpp")]
+SOURCES = [Path(__file__).parent / "kernels" / f for f in (
+    "gemv.cpp", "quant_linear.cpp", "huge_pages.cpp", "decode_attention.cpp", "ops.cpp", "bindings.cpp")]
 MAX_ROWS = 2  # token rows the kernel takes: decode steps of one or two sequences
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "avx512_vnni")
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c", "-fopenmp"]
@@ -86,9 +87,11 @@ def _self_check(ext) -> str | None:
         x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
         if not torch.allclose(ext.gemv_bf16(x, w).float(), F.linear(x, w).float(), atol=5e-2, rtol=2e-2):
             return "its GEMV disagreed with F.linear"
-    wh, xh = torch.randn(600, 96, generator=g).half(), torch.randn(5, 96, generator=g).half()  # two panels
-    if not torch.allclose(ext.half_linear(xh, wh).float(), F.linear(xh.float(), wh.float()), atol=5e-2, rtol=5e-3):
-        return "its float16 linear disagreed with F.linear"
+    wh = torch.randn(600, 80, generator=g).half()  # two panels; K % 32 == 16 for the GEMV's last step
+    for rows in (1, 2, 5):
+        xh = torch.randn(rows, 80, generator=g).half()
+        if not torch.allclose(ext.half_linear(xh, wh).float(), F.linear(xh.float(), wh.float()), atol=5e-2, rtol=5e-3):
+            return "its float16 linear disagreed with F.linear"
     for fmt in QUANT_CODES:
         for rows in (1, 3, 5, 11):  # token rows in and past one register pass; 43 rows: a padded group
             x, wq = torch.randn(rows, 96, generator=g), quantize(torch.randn(43, 96, generator=g), fmt)

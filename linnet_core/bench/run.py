@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ..compile import Model, compile_model, open_model, pick_dtype
 from ..backends import get_backend
@@ -317,7 +318,7 @@ def _start(side: Side, m: Model, dtype: str, method: Method, device: str, workdi
            deadline: Deadline) -> None:
     reporter.stage(f"loading {side.subject.label} in a fresh process")
     cfg = {"subject": side.subject.key, "model": str(m.path), "dtype": dtype, "positions": method.positions,
-           "batch": method.batch, "device": device, **side.extra}
+           "batch": method.batch, "device": device, "threads": torch.get_num_threads(), **side.extra}
     log = workdir / f"{side.subject.key.replace(':', '-').replace('.', '')}.log"
     side.worker = Worker(cfg, log)
     try:

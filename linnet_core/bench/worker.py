@@ -180,13 +180,14 @@ class TransformersRunner:
 
 class LlamaCppRunner:
     def __init__(self, cfg: dict):
-        import torch
         from llama_cpp import Llama
 
+        # The thread count comes from the parent: importing PyTorch here only for it would add its
+        # ~0.2 GiB to llama.cpp's peak memory.
         self.path, self.positions = cfg["gguf"], cfg["positions"]
         gpu_layers = -1 if cfg["device"] == "cuda" else 0
         self.llm = Llama(model_path=self.path, n_ctx=self.positions, n_batch=512, n_gpu_layers=gpu_layers,
-                         n_threads=torch.get_num_threads(), verbose=False)
+                         n_threads=cfg["threads"], verbose=False)
         self.run([[1, 2, 3, 4]], 2)
         self.cached = None
 

@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+torch::Tensor huge_page_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
+
 namespace {
 
 constexpr int64_t BLOCK = 32;
@@ -126,7 +128,7 @@ torch::Tensor repack_rows8(const torch::Tensor& w, int64_t fmt) {
   const auto src = w.contiguous();
   const int64_t N = src.size(0), bb = block_bytes(fmt), qb = quant_bytes(fmt), nb = src.size(1) / bb;
   const int64_t groups = (N + ROWS - 1) / ROWS;
-  auto out = torch::zeros({groups, nb * ROWS * bb}, src.options());  // padding rows: scale 0, quants 0
+  auto out = huge_page_zeros({groups, nb * ROWS * bb}, at::kByte);  // padding rows: scale 0, quants 0
   const uint8_t* s = src.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {

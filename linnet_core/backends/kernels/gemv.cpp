@@ -1,0 +1,86 @@
+// y [M, N] = x [M, K] @ w [N, K].T for 16-bit w, for the one or two token rows of a decode step.
+// Decode is bound by reading w. One weight row at a time, as ggml does: each thread's rows are then
+// one contiguous stream, which the hardware prefetcher follows to a plain read's speed (8 rows at
+// once, 8 streams a row apart, streamed ~20% slower here). Two accumulators per token row keep two
+// dot products in flight. bfloat16: AVX-512 BF16's vdpbf16ps (ggml's bf16 vec_dot) straight from
+// the bf16 weights. float16: each weight widened by vcvtph2ps and multiplied into float32 (this CPU
+// has no float16 dot product; ggml's f16 vec_dot does the same), x widened once per call.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t ROWS_PER_TASK = 64;  // rows of w per parallel task
+
+struct Bf16 {  // x: bf16 [M, K]; 32 weights per step
+  using X = uint16_t;
+  static constexpr int64_t STEP = 32;
+  static __m512 dot(__m512 acc, const uint16_t* w, const uint16_t* x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), (__m512bh)_mm512_loadu_si512(x));
+  }
+};
+
+struct F16 {  // x: float32 [M, K]; 16 weights per step
+  using X = float;
+  static constexpr int64_t STEP = 16;
+  static __m512 dot(__m512 acc, const uint16_t* w, const float* x) {
+    return _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)w)), _mm512_loadu_ps(x), acc);
+  }
+};
+
+template <class T, int M>
+void rows(const typename T::X* x, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+  constexpr int64_t S = T::STEP;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* wr = w + n * K;
+    __m512 acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 2 * S <= K; k += 2 * S)
+      for (int m = 0; m < M; ++m) {
+        acc[m][0] = T::dot(acc[m][0], wr + k, x + m * K + k);
+        acc[m][1] = T::dot(acc[m][1], wr + k + S, x + m * K + k + S);
+      }
+    if (k < K)  // K % (2 * S) == S
+      for (int m = 0; m < M; ++m) acc[m][0] = T::dot(acc[m][0], wr + k, x + m * K + k);
+    for (int m = 0; m < M; ++m) y[m * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+  }
+}
+
+template <class T, int M>
+void gemv(const typename T::X* x, const uint16_t* w, int64_t K, int64_t N, float* y) {
+  at::parallel_for(0, (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK, 1, [&](int64_t t0, int64_t t1) {
+    rows<T, M>(x, w, K, N, t0 * ROWS_PER_TASK, std::min(N, t1 * ROWS_PER_TASK), y);
+  });
+}
+
+// The product for x [..., K] of one or two rows in w's dtype, computed in float32 and rounded once.
+template <class T>
+torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(x.scalar_type() == dtype && w.scalar_type() == dtype, name, ": ", dtype, " x and w");
+  TORCH_CHECK(w.is_contiguous() && w.dim() == 2, name, ": contiguous 2-d w");
+  const int64_t K = w.size(1), N = w.size(0), M = x.numel() / K;
+  TORCH_CHECK(K % T::STEP == 0 && x.size(-1) == K && (M == 1 || M == 2), name, ": K % ", T::STEP,
+              " == 0, 1 or 2 rows");
+  const auto xs = std::is_same_v<typename T::X, float> ? x.reshape({M, K}).to(at::kFloat).contiguous()
+                                                         : x.reshape({M, K}).contiguous();
+  auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  const auto* xp = static_cast<const typename T::X*>(xs.data_ptr());
+  const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
+  if (M == 1) gemv<T, 1>(xp, wp, K, N, y.data_ptr<float>());
+  else gemv<T, 2>(xp, wp, K, N, y.data_ptr<float>());
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.to(dtype).view(sizes);
+}
+
+}  // namespace
+
+torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w) {
+  return run<Bf16>(x, w, at::kBFloat16, "gemv_bf16");
+}
+
+torch::Tensor gemv_f16(const torch::Tensor& x, const torch::Tensor& w) {
+  return run<F16>(x, w, at::kHalf, "gemv_f16");
+}
