@@ -165,9 +165,9 @@ def test_compiled_steps_reach_the_kernels_through_cpp_operators(ext):
         torch.ops.linnet_kernels.linear(x, 0, 40)  # none active in this thread now
 
 
-def test_float16_linears_run_decode_by_the_gemv_and_prompts_through_float32_panels(ext):
-    """Decode rows by Linnet's GEMV (float32 inside, rounded once: within an ulp of float16 of the float32
-    product); a prompt through float32 panels (past one 512-row panel)."""
+def test_float16_linears_run_decode_by_the_gemv_and_prompts_by_the_tiled_gemm(ext):
+    """Decode rows by Linnet's GEMV, prompts by its tiled GEMM (float32 inside, rounded once: within
+    half an ulp of float16 of the float32 product), every tile shape at the edges."""
     from linnet_core.backends.cpu_kernels import HalfLinear
 
     assert linear_kernel(torch.float16) is HalfLinear
@@ -185,7 +185,9 @@ def test_float16_linears_run_decode_by_the_gemv_and_prompts_through_float32_pane
     assert torch.equal(ext.half_linear(odd, w[:, :40].contiguous()), F.linear(odd, w[:, :40]))
     one = torch.randn(1, 1, 64, generator=g).half()
     assert torch.equal(HalfLinear(w, 0).eager(one, b), ext.gemv_f16(one, w) + b)
-    prompt = torch.randn(2, 9, 64, generator=g).half()
-    got = HalfLinear(w, 0).eager(prompt, None)
-    assert got.dtype == torch.float16 and got.shape == (2, 9, 700)
-    assert torch.allclose(got.float(), F.linear(prompt.float(), w.float()), atol=1e-2, rtol=1e-3)
+    for tokens in range(3, 10):  # token rows past the GEMV: whole and short tiles of 4; 700 % 6 == 4
+        prompt = torch.randn(1, tokens, 64, generator=g).half()
+        got = HalfLinear(w, 0).eager(prompt, None)
+        assert got.dtype == torch.float16 and got.shape == (1, tokens, 700)
+        assert torch.equal(got, ext.gemm_f16(prompt, w))
+        assert torch.allclose(got.float(), F.linear(prompt.float(), w.float()), atol=2e-3, rtol=1e-3)

@@ -157,8 +157,9 @@ class DecodeLinear(CpuLinear):
 
 
 class HalfLinear(CpuLinear):
-    """A float16 weight kept as mapped (no copy): Linnet's GEMV for decode, and for prompts panels
-    widened to float32 for MKL's GEMM (PyTorch's CPU float16 GEMM ran 3.4x slower at Qwen3-4B's shapes)."""
+    """A float16 weight kept as mapped (no copy): Linnet's GEMV for decode and its tiled GEMM for
+    prompts, both widening the weights in registers (PyTorch's CPU float16 GEMM ran ~7x slower at
+    Qwen3-4B's shapes)."""
 
     native_kind = NATIVE_F16
 
@@ -210,7 +211,7 @@ class QuantTable:
 
 def linear_kernel(dtype: torch.dtype) -> type[CpuLinear] | None:
     """The kernel class for linear weights of `dtype` on this CPU: Linnet's own (bf16 GEMV, float16
-    prompts through float32 panels) where they build and run, else oneDNN's packed weights where
+    GEMV and tiled GEMM) where they build and run, else oneDNN's packed weights where
     they run, else none (F.linear)."""
     if dtype == torch.bfloat16 and decode_kernels.extension() is not None:
         return DecodeLinear

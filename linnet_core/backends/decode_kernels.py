@@ -8,9 +8,10 @@
   blocks repacked once at load (8 rows interleaved). A float32 path (dequantizing in registers,
   row by row) streamed q4_0 at 15.6 GB/s on this machine class; this one 36-47, a plain read of
   memory's speed (`bench/quant_gemv.py`), and prompts run 2.7x faster than float32 F.linear.
+- `gemm_f16`: float16 prompts in register tiles, the weights widened in registers as llama.cpp's
+  tinyBLAS does (2x MKL's float32 GEMM over widened copies, ~7x PyTorch's CPU float16 GEMM).
 - `ops.cpp`: the kernels as C++ operators (`torch.ops.linnet_kernels.*`) for compiled steps, and
-  `half_linear`: float16 decode rows by the GEMV, prompts through float32 panels (3.4x PyTorch's
-  CPU float16 GEMM).
+  `half_linear`, float16's choice between the GEMV and the GEMM.
 - `decode_attention`: one-token queries over the KV cache in place (float32, float16, bfloat16),
   where the generic path copies each row's keys and values and calls SDPA (~6x slower at
   Qwen3-4B's shapes, measured on a cold cache as in a step).
@@ -87,8 +88,8 @@ def _self_check(ext) -> str | None:
         x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
         if not torch.allclose(ext.gemv_bf16(x, w).float(), F.linear(x, w).float(), atol=5e-2, rtol=2e-2):
             return "its GEMV disagreed with F.linear"
-    wh = torch.randn(600, 80, generator=g).half()  # two panels; K % 32 == 16 for the GEMV's last step
-    for rows in (1, 2, 5):
+    wh = torch.randn(50, 80, generator=g).half()  # K % 32 == 16: the GEMV's last step; 50 % 6: a short tile
+    for rows in (1, 2, 7):
         xh = torch.randn(rows, 80, generator=g).half()
         if not torch.allclose(ext.half_linear(xh, wh).float(), F.linear(xh.float(), wh.float()), atol=5e-2, rtol=5e-3):
             return "its float16 linear disagreed with F.linear"

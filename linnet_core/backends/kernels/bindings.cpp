@@ -3,6 +3,7 @@
 
 torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor gemv_f16(const torch::Tensor& x, const torch::Tensor& w);
+torch::Tensor gemm_f16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -18,8 +19,9 @@ int64_t activate(int64_t session);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16, "bf16 x [M<=2, K] @ w [N, K].T");
   m.def("gemv_f16", &gemv_f16, "f16 x [M<=2, K] @ w [N, K].T, float32 inside");
+  m.def("gemm_f16", &gemm_f16, "f16 x [..., K] @ w [N, K].T, register tiles widening w, float32 inside");
   m.def("bf16_linear", &bf16_linear, "bf16 x [..., K] @ w [N, K].T: the GEMV for 1-2 rows, F.linear otherwise");
-  m.def("half_linear", &half_linear, "f16 x [..., K] @ w [N, K].T: the GEMV for 1-2 rows, prompts through float32 panels");
+  m.def("half_linear", &half_linear, "f16 x [..., K] @ w [N, K].T: the GEMV for 1-2 rows, the tiled GEMM for prompts");
   m.def("quant_linear", &quant_linear, "float32 x [..., K] @ W.T, W [N, K] as q8_0 (0) / q4_0 (1) blocks from repack_rows8");
   m.def("repack_rows8", &repack_rows8, "GGUF q8_0 (0) / q4_0 (1) blocks [N, K/32*bb] -> 8 rows interleaved per block");
   m.def("dequant_rows", &dequant_rows, "rows ids [...] of q8_0 (0) / q4_0 (1) blocks [V, K/32*bb] -> float32 [..., K]");

@@ -84,3 +84,75 @@ torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w) {
 torch::Tensor gemv_f16(const torch::Tensor& x, const torch::Tensor& w) {
   return run<F16>(x, w, at::kHalf, "gemv_f16");
 }
+
+// y [M, N] = x [M, K] @ w [N, K].T for float16 w and many token rows (prompts), as llama.cpp's
+// tinyBLAS does: register tiles of RM token rows x RN weight rows, the weights widened in registers
+// (vcvtph2ps) and multiplied into float32, so no widened copy of w is ever written. Threads take
+// blocks of weight rows (each streams its own part of w once); within a block every token row's
+// tile reuses the block's rows from L1/L2.
+namespace {
+
+constexpr int64_t TILE_M = 4, TILE_N = 6;  // 24 accumulators + 6 weights + 1 token vector of 32 registers
+constexpr int64_t BLOCK_N = 48;             // weight rows a thread holds in cache while the token rows pass
+
+template <int RM, int RN>
+void tile(const float* x, const uint16_t* w, int64_t K, int64_t N, int64_t m0, int64_t n0, float* y) {
+  __m512 acc[RM][RN];
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 wv[RN];
+    for (int j = 0; j < RN; ++j) wv[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + (n0 + j) * K + k)));
+    for (int i = 0; i < RM; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + (m0 + i) * K + k);
+      for (int j = 0; j < RN; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) y[(m0 + i) * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int RM>
+void tile_n(const float* x, const uint16_t* w, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t rn, float* y) {
+  switch (rn) {  // the last weight rows of a block: 1..TILE_N
+    case 1: return tile<RM, 1>(x, w, K, N, m0, n0, y);
+    case 2: return tile<RM, 2>(x, w, K, N, m0, n0, y);
+    case 3: return tile<RM, 3>(x, w, K, N, m0, n0, y);
+    case 4: return tile<RM, 4>(x, w, K, N, m0, n0, y);
+    case 5: return tile<RM, 5>(x, w, K, N, m0, n0, y);
+    default: return tile<RM, 6>(x, w, K, N, m0, n0, y);
+  }
+}
+
+void tiles(const float* x, const uint16_t* w, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+  for (int64_t m0 = 0; m0 < M; m0 += TILE_M)
+    for (int64_t n = n0; n < n1; n += TILE_N) {
+      const int64_t rn = std::min(TILE_N, n1 - n);
+      switch (std::min(TILE_M, M - m0)) {
+        case 1: tile_n<1>(x, w, K, N, m0, n, rn, y); break;
+        case 2: tile_n<2>(x, w, K, N, m0, n, rn, y); break;
+        case 3: tile_n<3>(x, w, K, N, m0, n, rn, y); break;
+        default: tile_n<4>(x, w, K, N, m0, n, rn, y);
+      }
+    }
+}
+
+}  // namespace
+
+torch::Tensor gemm_f16(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.scalar_type() == at::kHalf && w.scalar_type() == at::kHalf, "gemm_f16: float16 x and w");
+  TORCH_CHECK(w.is_contiguous() && w.dim() == 2, "gemm_f16: contiguous 2-d w");
+  const int64_t K = w.size(1), N = w.size(0), M = x.numel() / K;
+  TORCH_CHECK(K % 16 == 0 && x.size(-1) == K, "gemm_f16: K % 16 == 0");
+  const auto x32 = x.reshape({M, K}).to(at::kFloat).contiguous();
+  auto y = torch::empty({M, N}, x32.options());
+  const float* xp = x32.data_ptr<float>();
+  const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + BLOCK_N - 1) / BLOCK_N, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) tiles(xp, wp, M, K, N, b * BLOCK_N, std::min(N, (b + 1) * BLOCK_N), yp);
+  });
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.to(at::kHalf).view(sizes);
+}
