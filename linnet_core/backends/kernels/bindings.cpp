@@ -11,6 +11,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
                                double scale);
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t out_features);
 torch::Tensor repack_rows8(const torch::Tensor& w, int64_t fmt);
+torch::Tensor huge_page_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
 torch::Tensor dequant_rows(const torch::Tensor& blocks, const torch::Tensor& ids, int64_t fmt);
 int64_t register_kernels(const std::vector<std::tuple<int64_t, torch::Tensor, int64_t>>& kernels);
 void release_kernels(int64_t session);
@@ -24,6 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("half_linear", &half_linear, "f16 x [..., K] @ w [N, K].T: the GEMV for 1-2 rows, the tiled GEMM for prompts");
   m.def("quant_linear", &quant_linear, "float32 x [..., K] @ W.T, W [N, K] as q8_0 (0) / q4_0 (1) blocks from repack_rows8");
   m.def("repack_rows8", &repack_rows8, "GGUF q8_0 (0) / q4_0 (1) blocks [N, K/32*bb] -> 8 rows interleaved per block");
+  m.def("huge_page_zeros", &huge_page_zeros, "zeros in 2 MiB pages, as repacked weights are held");
   m.def("dequant_rows", &dequant_rows, "rows ids [...] of q8_0 (0) / q4_0 (1) blocks [V, K/32*bb] -> float32 [..., K]");
   m.def("register_kernels", &register_kernels, "a session's kernels [(kind, weight, format)] for ops.cpp; its id");
   m.def("release_kernels", &release_kernels, "forget a session's kernels");

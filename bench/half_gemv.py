@@ -1,0 +1,90 @@
+"""How fast Linnet's 16-bit kernels stream weights, beside a plain read of the same memory and
+PyTorch's own kernels, at the 191M Qwen3's decode-step shapes (8 layers and the output head).
+
+    python bench/half_gemv.py                 # medians of 20, 2 threads, a table
+    python bench/half_gemv.py --json out.json
+
+Decode at batch 1 reads every weight once per token, so a kernel's bytes per second over weights
+larger than the L3 (322 MB here) bounds tokens per second. The weights lie in 2 MiB pages, as a
+session maps them. The prompt rows time a 128-token product with every layer's matrices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from linnet_core.backends import decode_kernels
+
+LAYER = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]  # qkv, o, gate+up, down: [N, K]
+SHAPES = LAYER * 8 + [(32000, 1024)]
+
+
+def median_seconds(fn, runs: int) -> float:
+    fn()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def weights(dtype: torch.dtype, g: torch.Generator, ext) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Every matrix of SHAPES, random, in one buffer of 2 MiB pages (as a session maps the artifact's)."""
+    flat = ext.huge_page_zeros([sum(n * k for n, k in SHAPES)], dtype)
+    out, at = [], 0
+    for n, k in SHAPES:
+        w = flat[at:at + n * k].view(n, k)
+        w.copy_(torch.randn(n, k, generator=g))
+        out.append(w)
+        at += n * k
+    return flat, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", help="write the figures here too")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    ext = decode_kernels.extension()
+    if ext is None:
+        raise SystemExit(f"Linnet's CPU kernels do not run here: {decode_kernels.why_not()}")
+    g = torch.Generator().manual_seed(0)
+    rows: dict[str, float] = {}
+    for dtype, name, gemv in ((torch.bfloat16, "bf16", ext.gemv_bf16), (torch.float16, "f16", ext.gemv_f16)):
+        flat, ws = weights(dtype, g, ext)
+        nbytes = flat.numel() * 2
+        if not rows:  # the same bytes read as float32
+            rows["plain read (torch.sum)"] = nbytes / median_seconds(flat.view(torch.float32).sum, args.runs) / 1e9
+        for m in (1, 2):
+            xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in {k for _, k in SHAPES}}
+            for label, fn in ((f"Linnet's {name} GEMV", gemv), (f"F.linear {name}", F.linear)):
+                t = median_seconds(lambda: [fn(xs[w.shape[1]], w) for w in ws], args.runs)
+                rows[f"{label}, {m} token row(s)"] = nbytes / t / 1e9
+        if dtype == torch.float16:  # prompts: Linnet's tiles against MKL over widened copies
+            layers = ws[:len(LAYER) * 8]
+            xs = {k: torch.randn(128, k, generator=g).half() for k in {k for _, k in LAYER}}
+            flops = sum(2 * 128 * w.numel() for w in layers)
+            runs = max(3, args.runs // 4)
+            t = median_seconds(lambda: [ext.gemm_f16(xs[w.shape[1]], w) for w in layers], runs)
+            rows["Linnet's f16 GEMM, 128-token prompt (GFLOP/s)"] = flops / t / 1e9
+            t = median_seconds(lambda: [F.linear(xs[w.shape[1]].float(), w.float()) for w in layers], runs)
+            rows["float32 F.linear over widened copies, 128 tokens (GFLOP/s)"] = flops / t / 1e9
+    print(f"{'':60s} GB/s or GFLOP/s")
+    for name, value in rows.items():
+        print(f"{name:60s} {value:8.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": args.threads, "runs": args.runs, "shapes": SHAPES, "figures": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
