@@ -13,26 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from linnet_core.backends import decode_kernels
+from timing import median_seconds  # bench/timing.py, beside this script
 
 LAYER = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]  # qkv, o, gate+up, down: [N, K]
 SHAPES = LAYER * 8 + [(32000, 1024)]
-
-
-def median_seconds(fn, runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def weights(dtype: torch.dtype, g: torch.Generator, ext) -> tuple[torch.Tensor, list[torch.Tensor]]:

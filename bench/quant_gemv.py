@@ -13,26 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from linnet_core.backends import decode_kernels
 from linnet_core.quant import dequantize, quantize
+from timing import median_seconds  # bench/timing.py, beside this script
 
 N, K, MATRICES = 9728, 2560, 8
-
-
-def median_seconds(fn, runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
