@@ -156,23 +156,16 @@ class DecodeLinear(CpuLinear):
         return self.native_kind, self.weight, 0
 
 
-class HalfLinear(CpuLinear):
+class HalfLinear(DecodeLinear):
     """A float16 weight kept as mapped (no copy): Linnet's GEMV for decode and its tiled GEMM for
     prompts, both widening the weights in registers (PyTorch's CPU float16 GEMM ran ~7x slower at
     Qwen3-4B's shapes)."""
 
     native_kind = NATIVE_F16
 
-    def __init__(self, weight: torch.Tensor, handle: int):
-        super().__init__(weight, handle)
-        self.weight = weight
-
     def eager(self, x, bias):
         y = decode_kernels.extension().half_linear(x, self.weight)
         return y if bias is None else y + bias
-
-    def native(self):
-        return self.native_kind, self.weight, 0
 
 
 class QuantLinear(CpuLinear):
