@@ -64,7 +64,7 @@ def _isolated_cache(monkeypatch, session_cache):
 
 @pytest.fixture(scope="session", autouse=True)
 def _decode_kernels_built():
-    """Linnet's CPU decode kernels built (once per environment, ~45 s) before any test, so no test's
+    """Linnet's CPU decode kernels built (once per environment, ~100 s) before any test, so no test's
     output carries the one-time build notice."""
     import warnings
 

@@ -153,7 +153,7 @@ def run_python(case: OpCase, dialect, xp) -> list[np.ndarray]:
     ns.update(B=B, T=T, N=N, i=0, all_logits=False, last=arr(FRAME["last"]), kv_len=kv_len(case),
               dtype=torch.float32 if is_torch else xp.float32, k_cache=arr(CACHE), v_cache=arr(CACHE * 0.5))
     ns.setdefault("ids", arr(np.zeros((B, T), np.int64)))
-    ns.setdefault("decode_attention", None)  # no runtime kernel here: the ops as emitted
+    ns.setdefault("kernels", None)  # no runtime kernels here: the ops as emitted
     if case.op == "rope_table":
         freqs = inv_freq(case.attrs["rope"], case.attrs["rotary_dim"])
         ns["ROPE_INV_FREQ"] = torch.tensor(freqs) if is_torch else xp.array(freqs, dtype=xp.float32)

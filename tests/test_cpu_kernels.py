@@ -90,10 +90,59 @@ def test_decode_attention_refuses_what_it_cannot_index(ext):
         ext.decode_attention(q, k, k, 2, torch.tensor([0]), torch.tensor([0]), 0, 1.0)
 
 
+SMALL_OP_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", SMALL_OP_DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7])  # decode, a prompt chunk
+def test_step_kernels_compute_what_the_generated_helpers_do(ext, dtype, tokens):
+    """RMSNorm, rope and the cache write on the views a step hands them (heads split from one fused
+    projection): rope and the write exactly, RMSNorm within one rounding of its float32 sum."""
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(1, tokens, 16 * 128 + 2 * 8 * 128, generator=g).to(dtype)
+    q, k, v = (t.reshape(1, tokens, -1, 128) for t in qkv.split([16 * 128, 8 * 128, 8 * 128], dim=-1))
+    for x, w in ((q, torch.randn(128, generator=g)), (qkv, torch.randn(qkv.shape[-1], generator=g))):
+        want, got = decode_kernels.generic("rms_norm")(x, w.to(dtype), 1e-6), ext.rms_norm(x, w.to(dtype), 1e-6)
+        assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
+        ulp = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+        assert torch.allclose(got.float(), want.float(), rtol=2 * ulp, atol=1e-6)
+        assert (got != want).float().mean() < (0.6 if dtype == torch.float32 else 0.01)  # ulps, rarely at 16 bits
+    pos = torch.arange(tokens)[None] + 40
+    for rot in (128, 64):  # whole and partial rotary
+        cos, sin = decode_kernels.generic("rope_table")(pos, torch.rand(rot // 2, generator=g), dtype)
+        assert torch.equal(ext.rope(q, cos, sin), decode_kernels.generic("apply_rope")(q, cos, sin))
+    caches = [torch.randn(2, 3, 8, 64, 128, generator=g).to(dtype) for _ in range(2)]  # [L, rows, KV, S, D]
+    mine = [c.clone() for c in caches]
+    rows = torch.randint(0, 3, (1, tokens), generator=g)
+    decode_kernels.generic("write_cache")(k, v, pos, rows, *caches, 1)
+    ext.write_cache(k, v, pos, rows, *mine, 1)
+    assert torch.equal(caches[0], mine[0]) and torch.equal(caches[1], mine[1])
+
+
+def test_step_kernels_take_the_generic_ops_where_they_do_not_apply(ext):
+    """A weight in another dtype, float64, strided caches: the helpers' ATen ops; a position past the
+    cache is an error, as the indexed write's."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 3, 64, generator=g).to(torch.bfloat16), torch.randn(64, generator=g)
+    assert torch.equal(ext.rms_norm(x, w, 1e-5), decode_kernels.generic("rms_norm")(x, w, 1e-5))
+    x64 = torch.randn(1, 2, 4, 32, generator=g, dtype=torch.float64)
+    cos, sin = decode_kernels.generic("rope_table")(torch.tensor([[3, 4]]), torch.rand(16, generator=g), torch.float64)
+    assert torch.equal(ext.rope(x64, cos, sin), decode_kernels.generic("apply_rope")(x64, cos, sin))
+    k = torch.randn(1, 2, 4, 32, generator=g)
+    caches = [torch.zeros(1, 2, 4, 32, 8).transpose(-1, -2) for _ in range(4)]  # [L, rows, KV, S, D], strided
+    pos, rows = torch.tensor([[5, 6]]), torch.tensor([[1, 1]])
+    decode_kernels.generic("write_cache")(k, k, pos, rows, caches[0], caches[1], 0)
+    ext.write_cache(k, k, pos, rows, caches[2], caches[3], 0)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    caches = [c.contiguous() for c in caches]
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext.write_cache(k, k, torch.tensor([[5, 8]]), rows, caches[2], caches[3], 0)
+
+
 @pytest.mark.parametrize("backend", ["torch", "inductor"])
-def test_sessions_decode_with_the_fused_attention_as_with_sdpa(ext, checkpoints, backend, monkeypatch):
-    """A CPU session hands its step the kernel; decode past a sliding window, in a second cache row,
-    gives the logits of a session on the generic path."""
+def test_sessions_decode_with_the_step_kernels_as_without(ext, checkpoints, backend, monkeypatch):
+    """A CPU session hands its step the kernels (inductor: the attention; eager: the small ops too);
+    decode past a sliding window, in a second cache row, gives the logits of a session on the generic path."""
     from linnet_core.backends import torch_backend
     from linnet_core.compile import load_model
 
@@ -106,10 +155,11 @@ def test_sessions_decode_with_the_fused_attention_as_with_sdpa(ext, checkpoints,
         return torch.stack(got)
 
     fused, _ = load_model(checkpoints["mistral-window"], backend, "float32", 32, rows=2, device="cpu")
-    assert "decode_attention" in fused.weights["global"]
-    monkeypatch.setattr(torch_backend, "add_decode_attention", lambda *a: False)  # both backends' cpu_weights
+    kernels = fused.weights["global"]["step_kernels"]
+    assert kernels.decode_attention is not None and (kernels.rms_norm is not None) == (backend == "torch")
+    monkeypatch.setattr(torch_backend, "add_step_kernels", lambda *a: None)  # both backends' cpu_weights
     generic, _ = load_model(checkpoints["mistral-window"], backend, "float32", 32, rows=2, device="cpu")
-    assert "decode_attention" not in generic.weights["global"]
+    assert "step_kernels" not in generic.weights["global"]
     assert torch.allclose(decode_logits(fused), decode_logits(generic), atol=1e-4, rtol=1e-4)
 
 

@@ -1,5 +1,6 @@
 """CPU kernels behind a session's weights: oneDNN pre-packed linear weights, Linnet's own decode
-kernels (bf16 GEMV, attention) and its block-quantized linears and token tables.
+kernels (16-bit GEMV, attention), its block-quantized linears and token tables, and the kernels of
+the small ops between matmuls (StepKernels).
 
 Decode is a chain of matrix-vector products bound by memory bandwidth. On this machine class
 F.linear (MKL) streams float32 weights at ~21 GB/s, while oneDNN's kernel over weights reordered
@@ -15,7 +16,8 @@ import os
 import threading
 import weakref
 from contextlib import contextmanager
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -243,8 +245,8 @@ def pack_linear_weights(weights: dict, names: dict[str, list[str]], pack: bool =
 
 
 class DecodeAttention:
-    """Attention of one-token queries straight over the KV cache (decode_kernels), handed to the
-    generated step as weights["global"]["decode_attention"]; its `attend` calls it for decode."""
+    """Attention of one-token queries straight over the KV cache (decode_kernels); the generated
+    step's `attend` calls it for decode (a StepKernels field)."""
 
     def __init__(self, ext):
         self.ext = ext
@@ -256,10 +258,27 @@ class DecodeAttention:
         return self.ext.decode_attention(q.contiguous(), k_cache, v_cache, layer, slots, pos, window or 0, scale)
 
 
-def add_decode_attention(weights: dict, dtype: torch.dtype, head_dim: int) -> bool:
-    """Hand a CPU step the decode attention kernel where it runs for these caches; whether it does."""
+@dataclass(frozen=True)
+class StepKernels:
+    """Linnet's C++ kernels for the ops between a CPU step's matmuls, handed to the generated step as
+    weights["global"]["step_kernels"]; its helpers call the ones that are not None."""
+
+    decode_attention: Optional[Callable] = None  # one-token queries over the KV cache in place
+    rms_norm: Optional[Callable] = None  # eager steps only: a compiled step fuses these itself
+    rope: Optional[Callable] = None
+    write_cache: Optional[Callable] = None
+
+
+def add_step_kernels(weights: dict, dtype: torch.dtype, head_dim: int, eager: bool) -> StepKernels | None:
+    """Hand a CPU step the kernels that run here for these caches (for an `eager` step, also its
+    norms, rope and cache writes: one call each where the emitted ops are 3-8); the kernels, or None."""
     ext = decode_kernels.extension()
-    if ext is None or not decode_kernels.attention_fits(dtype, head_dim):
-        return False
-    weights["global"]["decode_attention"] = DecodeAttention(ext)
-    return True
+    if ext is None:
+        return None
+    attention = DecodeAttention(ext) if decode_kernels.attention_fits(dtype, head_dim) else None
+    small = dict(rms_norm=ext.rms_norm, rope=ext.rope, write_cache=ext.write_cache) if eager else {}
+    if attention is None and not small:
+        return None
+    kernels = StepKernels(decode_attention=attention, **small)
+    weights["global"]["step_kernels"] = kernels
+    return kernels

@@ -15,7 +15,9 @@
 - `decode_attention`: one-token queries over the KV cache in place (float32, float16, bfloat16),
   where the generic path copies each row's keys and values and calls SDPA (~6x slower at
   Qwen3-4B's shapes, measured on a cold cache as in a step).
-Built with torch's C++ extension builder (g++ and ninja, ~45 s) into ~/.cache/linnet/kernels (or
+- `step_ops.cpp`: RMSNorm, rope and the cache write, one call each for an eager step, where the
+  emitted ATen ops are 3-8 calls (~1 ms of a 5.7 ms decode step at the 191M Qwen3's shape).
+Built with torch's C++ extension builder (g++ and ninja, ~100 s on 2 cores) into ~/.cache/linnet/kernels (or
 $LINNET_KERNELS), keyed by the PyTorch install and the sources, checked against the generic ops,
 and used only where the CPU has AVX-512 BF16 and VNNI; anything missing means the generic ops as before,
 never an error. `LINNET_DECODE_KERNELS=0` turns them off.
@@ -36,10 +38,10 @@ import torch.nn.functional as F
 from ..quant import dequantize, int8_blocks, quantize
 
 SOURCES = [Path(__file__).parent / "kernels" / f for f in (
-    "gemv.cpp", "quant_linear.cpp", "huge_pages.cpp", "decode_attention.cpp", "ops.cpp", "bindings.cpp")]
+    "gemv.cpp", "quant_linear.cpp", "huge_pages.cpp", "decode_attention.cpp", "step_ops.cpp", "ops.cpp", "bindings.cpp")]
 MAX_ROWS = 2  # token rows the kernel takes: decode steps of one or two sequences
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "avx512_vnni")
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c", "-fopenmp"]
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 QUANT_CODES = {"q8_0": 0, "q4_0": 1}  # quant_linear's format argument
 
 
@@ -64,20 +66,51 @@ def _unusable() -> str | None:
 def reference_attention(q, k_cache, v_cache, layer: int, slots, pos, window: int, scale: float):
     """What `decode_attention` computes, by the generic path the generated step takes without it
     (torch_emit's `attend`): q [B, H, D] at positions pos [B] of cache rows slots [B] -> [B, H, D]."""
-    attend = _generic_attend()
+    attend = generic("attend")
     kv_len = int(pos.max()) + 1
     out = attend(q[:, None], pos[:, None], slots, kv_len, k_cache, v_cache, layer, window or None, scale,
                  q.shape[1] != k_cache.shape[2])  # [B, 1, H, D]
     return out[:, 0]
 
 
+def generic(helper: str):
+    """The generated module's helper `helper` (attend, rms_norm, apply_rope, write_cache), as every
+    emitted step has it: what each kernel standing in for it must compute."""
+    return _prelude()[helper]
+
+
 @functools.lru_cache(maxsize=None)
-def _generic_attend():
+def _prelude() -> dict:
     from .torch_emit import PRELUDE
 
     namespace: dict = {}
-    exec(PRELUDE, namespace)  # the generated module's helpers, as every emitted step has them
-    return namespace["attend"]
+    exec(PRELUDE, namespace)
+    return namespace
+
+
+def _small_ops_disagree(ext) -> str | None:
+    """Which of the step's small-op kernels computes otherwise than its helper, or None: rope and
+    the cache write exactly, RMSNorm within a float32 rounding of its sum (another summation order)."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        qkv = torch.randn(2, 3, 160, generator=g).to(dtype)
+        q, k, v = (t.reshape(2, 3, -1, 32) for t in qkv.split([96, 32, 32], dim=-1))  # strided views, as a step's
+        w = torch.randn(32, generator=g).to(dtype)
+        want, got = generic("rms_norm")(q, w, 1e-6), ext.rms_norm(q, w, 1e-6)
+        if not torch.allclose(got.float(), want.float(), rtol=2e-3 if dtype == torch.float16 else 1e-5, atol=1e-6):
+            return "RMSNorm"
+        pos = torch.tensor([[4, 5, 6], [0, 1, 2]])
+        for rot in (32, 16):  # whole and partial rotary
+            cos, sin = generic("rope_table")(pos, torch.rand(rot // 2, generator=g), dtype)
+            if not torch.equal(ext.rope(q, cos, sin), generic("apply_rope")(q, cos, sin)):
+                return "rope"
+        caches = [torch.zeros(2, 3, 1, 8, 32, dtype=dtype) for _ in range(4)]  # [L, rows, KV, S, D]
+        rows = torch.tensor([[1, 1, 1], [2, 0, 2]])
+        generic("write_cache")(k, v, pos, rows, caches[0], caches[1], 1)
+        ext.write_cache(k, v, pos, rows, caches[2], caches[3], 1)
+        if not (torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])):
+            return "the cache write"
+    return None
 
 
 def _self_check(ext) -> str | None:
@@ -106,7 +139,8 @@ def _self_check(ext) -> str | None:
         got = ext.decode_attention(q, k, v, 1, slots, pos, window, 0.2)
         if not torch.allclose(got, reference_attention(q, k, v, 1, slots, pos, window, 0.2), atol=1e-4, rtol=1e-4):
             return "its attention disagreed with SDPA"
-    return None
+    which = _small_ops_disagree(ext)
+    return f"its {which} disagreed with the generated step's" if which else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -152,7 +186,7 @@ def why_not() -> str:
 
 
 class KernelBuildNotice(UserWarning):
-    """Said once, when a first CPU session stops ~45 s to build the kernels."""
+    """Said once, when a first CPU session stops ~100 s to build the kernels."""
 
     prefix = "note"
 
@@ -186,7 +220,7 @@ def _build():
 
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
-        warnings.warn("building Linnet's CPU decode kernels for this machine (once, about 45 s)", KernelBuildNotice,
+        warnings.warn("building Linnet's CPU decode kernels for this machine (once, about 100 s)", KernelBuildNotice,
                       stacklevel=2)
     try:  # the `ninja` wheel's binary: on PATH only in an activated virtual environment
         import ninja
@@ -208,13 +242,13 @@ def _import(name: str, path: Path):
 
 
 def status() -> tuple[bool, str]:
-    """(usable, what doctor says) without building: a build takes ~45 s, doctor takes none."""
+    """(usable, what doctor says) without building: a build takes ~100 s, doctor takes none."""
     why = _unusable()
     if why:
         return False, why
     if any(build_dir().glob("*.so")):
         return True, f"built in {build_dir()}"
-    return True, "built at the first CPU session (about 45 s; needs g++ and ninja)"
+    return True, "built at the first CPU session (about 100 s; needs g++ and ninja)"
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

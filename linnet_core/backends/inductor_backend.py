@@ -141,7 +141,7 @@ class InductorBackend(TorchBackend):
     name = "inductor"
     title = "inductor"
     ragged = False  # compiled per bucket of [B, T]: a mixed step runs as one call per chunk length
-    artifact_format = "7"
+    artifact_format = "8"
     mode: str | None = None  # torch.compile mode
     loads_at_compile = True  # inductor compiles by running the step (freezing needs the weights)
 
@@ -159,7 +159,7 @@ class InductorBackend(TorchBackend):
         check_quantized(info["dtype"], device)
         module = import_generated(artifact / "model.py", "linnet_inductor")
         weights = load_prepared_weights(artifact / WEIGHTS_FILE, device)
-        kernels = session_weights(weights, info, device)
+        kernels = session_weights(weights, info, device, eager=False)
         return CompiledTorchSession(module, weights, kernels, info, rows, device, self.name, self.mode,
                                     artifact / "inductor_cache")
 

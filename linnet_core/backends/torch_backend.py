@@ -24,7 +24,7 @@ from ..runtime.session import Session
 from .artifact import WEIGHTS_FILE, import_generated, load_prepared_weights, read_info
 from .base import Backend
 from . import decode_kernels
-from .cpu_kernels import DecodeLinear, HalfLinear, add_decode_attention, linear_kernel, pack_linear_weights
+from .cpu_kernels import DecodeLinear, HalfLinear, add_step_kernels, linear_kernel, pack_linear_weights
 from .torch_emit import emit
 
 
@@ -40,11 +40,11 @@ def kernels_at_load(dtype: str) -> bool:
     return compute_dtype(dtype) in PACKED_AT_LOAD or linear_kernel(torch_dtype(dtype)) in (DecodeLinear, HalfLinear)
 
 
-def cpu_weights(weights: dict, info: dict) -> list:
-    """A CPU session's weights wrapped in this CPU's kernels (in place), and the kernels in handle
-    order: linear kernels, quantized weights' kernels, the decode attention."""
+def cpu_weights(weights: dict, info: dict, eager: bool) -> list:
+    """A CPU session's weights wrapped in this CPU's kernels (in place), and the linear and
+    quantized weights' kernels in handle order; the step's own kernels (StepKernels) beside them."""
     kernels = pack_linear_weights(weights, info["linear_weights"], pack=kernels_at_load(info["dtype"]))
-    add_decode_attention(weights, torch_dtype(info["dtype"]), info["cache"]["head_dim"])
+    add_step_kernels(weights, torch_dtype(info["dtype"]), info["cache"]["head_dim"], eager)
     return kernels
 
 
@@ -79,11 +79,12 @@ def device_block_weights(weights, names: dict[str, list[str]]) -> None:
                 group[name] = (BlockLinear if name in linear_names else BlockTable)(group[name], fmt)
 
 
-def session_weights(weights, info: dict, device: str) -> list:
+def session_weights(weights, info: dict, device: str, eager: bool) -> list:
     """Wrap a session's weights for its device, in place: this CPU's kernels (returned in handle
-    order), or on a GPU the block-quantized weights' BlockLinear / BlockTable."""
+    order), or on a GPU the block-quantized weights' BlockLinear / BlockTable. `eager`: the step
+    runs uncompiled (the small ops' kernels help there; a compiler fuses those itself)."""
     if device == "cpu":
-        return cpu_weights(weights, info)
+        return cpu_weights(weights, info, eager)
     device_block_weights(weights, info["linear_weights"])
     return []
 
@@ -139,7 +140,7 @@ class TorchBackend(Backend):
 
     ragged = True  # the serving engine's mixed steps run as one call
     int8_activations_on_cpu = True  # Linnet's CPU kernels (quant_linear.cpp); BlockLinear on a GPU dequantizes
-    artifact_format = "9"
+    artifact_format = "10"
 
     def toolchain(self) -> dict[str, str]:
         return {"torch": torch.__version__, "format": self.artifact_format}
@@ -163,5 +164,5 @@ class TorchBackend(Backend):
         check_quantized(info["dtype"], device)
         module = import_generated(artifact / "model.py", "linnet_generated")
         weights = load_prepared_weights(artifact / WEIGHTS_FILE, device)
-        session_weights(weights, info, device)
+        session_weights(weights, info, device, eager=True)
         return TorchSession(module, weights, info, rows, device, self.name)

@@ -39,16 +39,24 @@ def embedding(ids, table):
     return F.embedding(ids, table)
 
 
-def rms_norm(x, weight, eps):
-    """x / rms(x) * weight over the last axis; the statistics in float32."""
+def rms_norm(x, weight, eps, kernels=None):
+    """x / rms(x) * weight over the last axis; the statistics in float32.
+
+    `kernels`: the runtime's CPU kernels for a step's small ops (weights["global"]["step_kernels"]),
+    or None. Each computes what its helper's lines compute, in one call where they are several.
+    """
+    if kernels is not None and kernels.rms_norm is not None:
+        return kernels.rms_norm(x, weight, eps)
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
 
 
-def apply_rope(x, cos, sin):
+def apply_rope(x, cos, sin, kernels=None):
     """Rotate-half rope on the first rot features of each head; x [B, T, heads, D]."""
+    if kernels is not None and kernels.rope is not None:
+        return kernels.rope(x, cos, sin)
     rot = cos.shape[-1]
     cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, rot]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
@@ -58,53 +66,55 @@ def apply_rope(x, cos, sin):
     return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
 
 
-def write_cache(k, v, pos, rows, k_cache, v_cache, layer):
+def write_cache(k, v, pos, rows, k_cache, v_cache, layer, kernels=None):
     """Write k, v [B, T, KV, D] at positions pos [B, T] of cache rows [B, T] of `layer`.
 
     The write indexes the whole cache [L, rows, KV, S, D] (no view of it), so a compiler can
     update it in place.
     """
+    if kernels is not None and kernels.write_cache is not None:
+        return kernels.write_cache(k, v, pos, rows, k_cache, v_cache, layer)
     layers = torch.full_like(pos, layer)  # [B, T]
     k_cache[layers, rows, :, pos] = k  # advanced indices first: the target is [B, T, KV, D]
     v_cache[layers, rows, :, pos] = v
 
 
-def attention(q, k, v, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, fused=None):
+def attention(q, k, v, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, kernels=None):
     """Write k, v at `pos` of cache rows `slots` of `layer`, then attend over the first kv_len positions.
 
     q [B, T, H, D]; k, v [B, T, KV, D]; caches [L, rows, KV, S, D]; returns [B, T, H, D].
     """
-    write_cache(k, v, pos, slots[:, None].expand_as(pos), k_cache, v_cache, layer)
-    return attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, q.shape[2] != k.shape[2], fused)
+    write_cache(k, v, pos, slots[:, None].expand_as(pos), k_cache, v_cache, layer, kernels)
+    return attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, q.shape[2] != k.shape[2], kernels)
 
 
 def ragged_attention(q, k, v, pos, token_slots, d_slots, d_kv_len, p_slots, p_index, p_pack, p_kv_len,
-                     k_cache, v_cache, layer, window, scale, fused=None):
+                     k_cache, v_cache, layer, window, scale, kernels=None):
     """A ragged step's attention: q [1, N, H, D] of N tokens from many rows, each written at its own
     row and position, then attended in two groups: the first Bd tokens (one-token rows), and the
     chunks gathered into [Bp, Tp] by p_index (padding repeats a chunk's last token) -> [1, N, H, D].
     """
-    write_cache(k, v, pos, token_slots, k_cache, v_cache, layer)
+    write_cache(k, v, pos, token_slots, k_cache, v_cache, layer, kernels)
     gqa = q.shape[2] != k.shape[2]
     outs, n_decode = [], d_slots.shape[0]
     if n_decode:  # [1, Bd, H, D] -> [Bd, 1, H, D] and back
         out = attend(q[0, :n_decode, None], pos[0, :n_decode, None], d_slots, d_kv_len,
-                     k_cache, v_cache, layer, window, scale, gqa, fused)
+                     k_cache, v_cache, layer, window, scale, gqa, kernels)
         outs.append(out[:, 0][None])
     if p_slots.shape[0]:  # [1, N, H, D] -> [Bp, Tp, H, D] -> [1, Np, H, D]
         out = attend(q[0][p_index], pos[0][p_index], p_slots, p_kv_len, k_cache, v_cache, layer, window, scale, gqa)
         outs.append(out.flatten(0, 1)[p_pack][None])
-    return torch.cat(outs, dim=1)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
-def attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, gqa, fused=None):
+def attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, gqa, kernels=None):
     """q [B, T, H, D] over the first kv_len positions of cache rows `slots` -> [B, T, H, D].
 
-    `fused`: a kernel the runtime hands over for one-token queries (weights["global"]
-    ["decode_attention"]: reads the cache in place, where the lines below copy it).
+    The runtime's kernel for one-token queries (`kernels.decode_attention`) reads the cache in
+    place, where the lines below copy it.
     """
-    if fused is not None and q.shape[1] == 1:
-        return fused(q[:, 0], pos[:, 0], slots, k_cache, v_cache, layer, window, scale)[:, None]
+    if kernels is not None and kernels.decode_attention is not None and q.shape[1] == 1:
+        return kernels.decode_attention(q[:, 0], pos[:, 0], slots, k_cache, v_cache, layer, window, scale)[:, None]
     keys = k_cache[layer, :, :, :kv_len].index_select(0, slots)  # [B, KV, kv_len, D]
     values = v_cache[layer, :, :, :kv_len].index_select(0, slots)
     key_pos = torch.arange(kv_len, device=pos.device)  # [kv_len]
@@ -118,20 +128,20 @@ def attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, gqa, f
 '''
 
 
-# A kernel the runtime may hand the step (cpu_kernels.add_decode_attention), looked up once per step.
-FUSED_ATTENTION = 'decode_attention = g.get("decode_attention")  # the runtime\'s kernel for one-token queries, or None'
+# Kernels the runtime may hand the step (cpu_kernels.StepKernels), looked up once per step.
+STEP_KERNELS = 'kernels = g.get("step_kernels")  # the runtime\'s CPU kernels for the ops between matmuls, or None'
 
 # One template per op (placeholders: see pyemit).
 TEMPLATES: dict[str, str] = {
     "positions": "{out} = {a}[:, None] + torch.arange(T, device=ids.device)",
     "rope_table": "{out} = rope_table({a}, ROPE_INV_FREQ, dtype)",
     "embedding": "{out} = embedding({a}, {b})",
-    "rms_norm": "{out} = rms_norm({a}, {b}, {eps})",
+    "rms_norm": "{out} = rms_norm({a}, {b}, {eps}, kernels)",
     "linear": "{out} = linear({args})",
     "split": "{out} = {a}.split({sizes}, dim=-1)",
     "reshape": "{out} = {a}.reshape({shape})",
-    "rope": "{out} = apply_rope({args})",
-    "attention": "{out} = attention({args}, kv_len, k_cache, v_cache, i, {window}, {scale}, decode_attention)",
+    "rope": "{out} = apply_rope({args}, kernels)",
+    "attention": "{out} = attention({args}, kv_len, k_cache, v_cache, i, {window}, {scale}, kernels)",
     "silu": "{out} = F.silu({a})",
     "gelu": "{out} = F.gelu({a}, approximate={approximate})",
     "mul": "{out} = {a} * {b}",
@@ -143,7 +153,7 @@ TEMPLATES: dict[str, str] = {
 # The ragged form has no positions op (positions are an input) and one entry per wanted token.
 RAGGED_TEMPLATES: dict[str, str] = {
     **{op: t for op, t in TEMPLATES.items() if op != "positions"},
-    "attention": "{out} = ragged_attention({args}, k_cache, v_cache, i, {window}, {scale}, decode_attention)",
+    "attention": "{out} = ragged_attention({args}, k_cache, v_cache, i, {window}, {scale}, kernels)",
     "last_token": "{out} = {a}[0, {b}, None]",
     "argmax": "{out} = {a}[:, 0].argmax(dim=-1)",
 }
@@ -163,7 +173,7 @@ TORCH = Dialect(
     ),
     signature="def step(weights, {inputs}, last, kv_len: int, k_cache, v_cache, all_logits: bool = False):",
     setup=('g, layers = weights["global"], weights["layers"]', "B, T = ids.shape", "dtype = k_cache.dtype",
-           FUSED_ATTENTION),
+           STEP_KERNELS),
     loop="for i, w in enumerate(layers):",
     returns="return {outputs}",
 )
@@ -181,7 +191,7 @@ TORCH_RAGGED = replace(
     ),
     signature="def step(weights, {inputs}, k_cache, v_cache):",
     setup=('g, layers = weights["global"], weights["layers"]', "N = ids.shape[1]", "dtype = k_cache.dtype",
-           FUSED_ATTENTION),
+           STEP_KERNELS),
     ragged=True,
 )
 

@@ -1,0 +1,187 @@
+// The small ops between a step's matmuls, one call each, for the eager CPU step. At decode every
+// tensor here is one token's (a few KB), so the time is PyTorch's per-op cost, not arithmetic: the
+// emitted RMSNorm is 8 ATen ops (~16 us), rope 7 (~17 us), the cache write 3 (~11 us), ~1 ms of a
+// 5.7 ms step at the 191M Qwen3's shape. Each function computes what the generated module's helper
+// of the same name computes, rounding to the tensors' dtype where its ATen ops round (so outputs
+// are identical but for the order of RMSNorm's float32 sum).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline T* ptr(const torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+// x as T holds it, in float32: what an ATen op on T tensors writes.
+template <typename T>
+inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
+
+// Where row i of x [..., D] begins, for any strides of the leading axes: a view of a fused
+// projection's output (q split from one [.., 4096] row, as heads) reads in place.
+struct Rows {
+  int64_t n = 0, d = 0;
+  std::vector<int64_t> sizes, strides;  // the leading axes
+  int64_t offset(int64_t i) const {
+    int64_t at = 0;
+    for (int64_t a = (int64_t)sizes.size() - 1; a >= 0; --a) at += (i % sizes[a]) * strides[a], i /= sizes[a];
+    return at;
+  }
+};
+
+Rows rows_of(const torch::Tensor& x) {
+  Rows r;
+  r.d = x.size(-1);
+  r.n = r.d ? x.numel() / r.d : 0;
+  for (int64_t a = 0; a + 1 < x.dim(); ++a) r.sizes.push_back(x.size(a)), r.strides.push_back(x.stride(a));
+  return r;
+}
+
+constexpr int LANES = 16;  // partial sums per row: one AVX-512 register, as ATen's vectorized sum
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* out, const Rows& r, float eps) {
+  at::parallel_for(0, r.n, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      const T* xi = x + r.offset(i);
+      T* oi = out + i * r.d;
+      float lanes[LANES] = {};
+      int64_t j = 0;
+      for (; j + LANES <= r.d; j += LANES)
+        for (int l = 0; l < LANES; ++l) {
+          const float v = static_cast<float>(xi[j + l]);
+          lanes[l] += v * v;
+        }
+      for (; j < r.d; ++j) {
+        const float v = static_cast<float>(xi[j]);
+        lanes[j % LANES] += v * v;
+      }
+      float sum = 0.f;
+      for (int l = 0; l < LANES; ++l) sum += lanes[l];
+      const float scale = 1.f / std::sqrt(sum / static_cast<float>(r.d) + eps);
+      for (j = 0; j < r.d; ++j)  // (x * scale) as T, times the weight in T
+        oi[j] = static_cast<T>(static_cast<float>(w[j]) * round_to<T>(static_cast<float>(xi[j]) * scale));
+    }
+  });
+}
+
+}  // namespace
+
+// x [..., D] (D contiguous, leading axes at any stride) with weight [D] -> [..., D] contiguous:
+// x / rms(x) * weight, the statistics in float32, as the generated `rms_norm`; its ATen ops
+// where the kernel does not apply (another weight dtype or shape).
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  const bool fits = x.dim() >= 1 && x.stride(-1) == 1 && weight.dim() == 1 && weight.size(0) == x.size(-1) &&
+                    weight.is_contiguous() && weight.scalar_type() == x.scalar_type() &&
+                    at::isFloatingType(x.scalar_type()) && x.scalar_type() != at::kDouble;
+  if (!fits) {
+    auto x32 = x.to(at::kFloat);
+    x32 = x32 * at::rsqrt(x32.pow(2).mean(-1, true) + eps);
+    return weight * x32.to(x.scalar_type());
+  }
+  const Rows r = rows_of(x);
+  auto out = torch::empty(x.sizes(), x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>)
+      rms_norm_rows<scalar_t>(ptr<scalar_t>(x), ptr<scalar_t>(weight), ptr<scalar_t>(out), r, float(eps));
+  });
+  return out;
+}
+
+namespace {
+
+template <typename T>
+void rope_rows(const T* x, const T* cos, const T* sin, T* out, int64_t B, int64_t T_, int64_t heads, int64_t D,
+               int64_t rot, const int64_t* strides) {
+  const int64_t half = rot / 2;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T_; ++t) {
+      const T* c = cos + (b * T_ + t) * rot;
+      const T* s = sin + (b * T_ + t) * rot;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* xi = x + b * strides[0] + t * strides[1] + h * strides[2];
+        T* oi = out + ((b * T_ + t) * heads + h) * D;
+        for (int64_t j = 0; j < rot; ++j) {  // x * cos + rotate_half(x) * sin, each product as T
+          const float other = j < half ? -static_cast<float>(xi[j + half]) : static_cast<float>(xi[j - half]);
+          const float a = round_to<T>(static_cast<float>(xi[j]) * static_cast<float>(c[j]));
+          const float b2 = round_to<T>(other * static_cast<float>(s[j]));
+          oi[j] = static_cast<T>(a + b2);
+        }
+        for (int64_t j = rot; j < D; ++j) oi[j] = xi[j];
+      }
+    }
+}
+
+}  // namespace
+
+// Rotate-half rope on the first rot features of each head, as the generated `apply_rope`:
+// x [B, T, H, D] (heads and tokens at any stride, D contiguous), cos, sin [B, T, rot] -> contiguous;
+// its ATen ops where the kernel does not apply.
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t rot = cos.size(-1);
+  const bool fits = x.dim() == 4 && x.stride(3) == 1 && cos.dim() == 3 && cos.size(0) == x.size(0) &&
+                    cos.size(1) == x.size(1) && cos.sizes() == sin.sizes() && rot % 2 == 0 && rot <= x.size(3) &&
+                    cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == x.scalar_type() &&
+                    sin.scalar_type() == x.scalar_type() && x.scalar_type() != at::kDouble;
+  if (!fits) {
+    const auto c = cos.unsqueeze(2), s = sin.unsqueeze(2);  // [B, T, 1, rot]
+    const auto x_rot = x.narrow(-1, 0, rot), x_pass = x.narrow(-1, rot, x.size(-1) - rot);
+    const auto rotated = at::cat({-x_rot.narrow(-1, rot / 2, rot - rot / 2), x_rot.narrow(-1, 0, rot / 2)}, -1);
+    const auto out = x_rot * c + rotated * s;
+    return x_pass.size(-1) == 0 ? out : at::cat({out, x_pass}, -1);
+  }
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3);
+  auto out = torch::empty({B, T, H, D}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>)
+      rope_rows<scalar_t>(ptr<scalar_t>(x), ptr<scalar_t>(cos), ptr<scalar_t>(sin), ptr<scalar_t>(out), B, T, H, D,
+                          rot, x.strides().data());
+  });
+  return out;
+}
+
+// k, v [B, T, KV, D] into caches [L, rows, KV, S, D] of `layer`, token (b, t) at row rows[b, t],
+// position pos[b, t], as the generated `write_cache`; its indexed write where the kernel does not apply.
+void write_cache(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& pos, const torch::Tensor& rows,
+                 torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t layer) {
+  const bool fits = k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                    v_cache.is_contiguous() && k.dim() == 4 && k.sizes() == v.sizes() &&
+                    k.size(2) == k_cache.size(2) && k.size(3) == k_cache.size(4) && k.stride(3) == 1 &&
+                    v.stride(3) == 1 && k.scalar_type() == k_cache.scalar_type() &&
+                    v.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type();
+  if (!fits) {
+    const auto layers = at::full_like(pos, layer);
+    using at::indexing::Slice;
+    k_cache.index_put_({layers, rows, Slice(), pos}, k);
+    v_cache.index_put_({layers, rows, Slice(), pos}, v);
+    return;
+  }
+  const int64_t L = k_cache.size(0), R = k_cache.size(1), KV = k_cache.size(2), S = k_cache.size(3),
+                D = k_cache.size(4);
+  TORCH_CHECK(0 <= layer && layer < L, "write_cache: layer out of range");
+  const int64_t B = k.size(0), T = k.size(1);
+  auto pos_c = pos.to(at::kLong).expand({B, T}).contiguous();
+  auto rows_c = rows.to(at::kLong).expand({B, T}).contiguous();
+  const int64_t* pp = pos_c.data_ptr<int64_t>();
+  const int64_t* rp = rows_c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * T; ++i)
+    TORCH_CHECK(0 <= rp[i] && rp[i] < R && 0 <= pp[i] && pp[i] < S, "write_cache: row or position out of range");
+  const int64_t bytes = D * k.element_size();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t es = k.element_size();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t i = b * T + t;
+      for (int64_t h = 0; h < KV; ++h) {
+        const int64_t at = (((layer * R + rp[i]) * KV + h) * S + pp[i]) * D * es;
+        std::memcpy(kc + at, kp + (b * k.stride(0) + t * k.stride(1) + h * k.stride(2)) * es, bytes);
+        std::memcpy(vc + at, vp + (b * v.stride(0) + t * v.stride(1) + h * v.stride(2)) * es, bytes);
+      }
+    }
+}
