@@ -88,6 +88,11 @@ def release_sources(p: Param, layer: int | None, ckpt: Checkpoint) -> None:
         ckpt.release(s)
 
 
+def gathered_weights(graph: Graph) -> list[str]:
+    """Names of the global params read by `embedding` ops (rows gathered, never read whole)."""
+    return sorted({n.inputs[1] for n in graph.prologue if n.op == "embedding" and n.inputs[1] in graph.params})
+
+
 def linear_weights(graph: Graph) -> dict[str, list[str]]:
     """Names of the params that feed `linear` ops (global, and per-layer local names)."""
     def feeding(nodes, params) -> list[str]:

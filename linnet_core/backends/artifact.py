@@ -73,6 +73,11 @@ class PreparedWeights(dict):
         if self._source is not None:
             self._source.release(self._aliases.get(name, name))
 
+    def in_small_pages(self, name: str) -> None:
+        """Map `name` (named as `release` names it) in 4 KiB pages: a table read by gathers."""
+        if self._source is not None:
+            self._source.in_small_pages(self._aliases.get(name, name))
+
 
 def load_prepared_weights(path: Path, device: str) -> PreparedWeights:
     """The prepared weights, mapped from the file (not read) on CPU; on another device, copied there

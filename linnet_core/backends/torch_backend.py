@@ -42,8 +42,15 @@ def kernels_at_load(dtype: str) -> bool:
 
 def cpu_weights(weights: dict, info: dict, eager: bool) -> list:
     """A CPU session's weights wrapped in this CPU's kernels (in place), and the linear and
-    quantized weights' kernels in handle order; the step's own kernels (StepKernels) beside them."""
+    quantized weights' kernels in handle order; the step's own kernels (StepKernels) beside them.
+    Token tables (read by gathers) are mapped in 4 KiB pages, the rest in 2 MiB ones."""
+    group, heads = weights["global"], info["linear_weights"]["global"]
+    tables = [name for name in info.get("gathered_weights", [])  # a table tied to the head is read whole
+              if not any(group[name] is group[head] for head in heads)]
     kernels = pack_linear_weights(weights, info["linear_weights"], pack=kernels_at_load(info["dtype"]))
+    for name in tables:
+        if hasattr(weights, "in_small_pages"):
+            weights.in_small_pages(name)
     add_step_kernels(weights, torch_dtype(info["dtype"]), info["cache"]["head_dim"], eager)
     return kernels
 
@@ -155,7 +162,7 @@ class TorchBackend(Backend):
         (out / "model.py").write_text(emit(graph))
 
     def artifact_extra(self, graph: Graph) -> dict[str, Any]:
-        return {"linear_weights": prepared.linear_weights(graph)}
+        return {"linear_weights": prepared.linear_weights(graph), "gathered_weights": prepared.gathered_weights(graph)}
 
     def load(self, artifact: Path, rows: int, device: str | None = None) -> Session:
         info = read_info(artifact)
