@@ -133,3 +133,38 @@ def test_dropping_a_file_from_the_page_cache_keeps_its_bytes(tmp_path):
     path.write_bytes(bytes(range(256)) * 4096)
     drop_cached(path)
     assert path.read_bytes() == bytes(range(256)) * 4096
+
+
+def _small_page_ranges(path) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of `path` advised MADV_NOHUGEPAGE ("nh")."""
+    import re
+    from pathlib import Path
+
+    ranges, current = [], None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s+(.*)$", line)
+        if head:
+            current = (int(head[1], 16), int(head[2], 16)) if head[3] == str(path) else None
+        elif current and line.startswith("VmFlags:") and " nh" in line:
+            ranges.append(current)
+    return ranges
+
+
+def test_gathered_tables_and_released_weights_are_mapped_in_small_pages(tmp_path):
+    """A gathered table, or a norm between repacked matrices, must not fault in 2 MiB per row."""
+    import mmap
+    import os
+
+    if not os.path.exists("/proc/self/smaps") or not hasattr(mmap, "MADV_NOHUGEPAGE"):
+        pytest.skip("no /proc/self/smaps or MADV_NOHUGEPAGE here")
+    path = tmp_path / "w.safetensors"
+    made = {"a.table": torch.ones(1024, 1024), "b.norm": torch.ones(64), "c.matrix": torch.ones(1024, 1024)}
+    write_safetensors(path, [(n, tuple(t.shape), t.dtype) for n, t in made.items()], iter(made.values()))
+    ckpt = Checkpoint([path])
+    tensors = {name: ckpt.get(name) for name in ckpt.tensors}
+    assert _small_page_ranges(path) == []
+    ckpt.in_small_pages("a.table")
+    ckpt.release("c.matrix")
+    ranges = _small_page_ranges(path)
+    assert len(ranges) == 2 and all(end - start >= 4 * 1024 * 1024 - 2 * mmap.PAGESIZE for start, end in ranges)
+    assert tensors["a.table"].sum() == 1024 * 1024 and tensors["c.matrix"][0, 0] == 1  # still readable
