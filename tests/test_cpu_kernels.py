@@ -119,6 +119,18 @@ def test_step_kernels_compute_what_the_generated_helpers_do(ext, dtype, tokens):
     assert torch.equal(caches[0], mine[0]) and torch.equal(caches[1], mine[1])
 
 
+@pytest.mark.parametrize("dtype", SMALL_OP_DTYPES)
+def test_argmax_picks_as_aten_does(ext, dtype):
+    """The first index of the largest, on ties too, and the first NaN where there is one."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 32000, generator=g).to(dtype)
+    logits[1, 100] = logits[1, 20000] = 50.0
+    logits[2, 31999] = float("nan")
+    logits[3] = -float("inf")
+    assert torch.equal(ext.argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(ext.argmax(logits[:, None, 5:]), logits[:, None, 5:].argmax(dim=-1))  # a view, 3-d
+
+
 def test_step_kernels_take_the_generic_ops_where_they_do_not_apply(ext):
     """A weight in another dtype, float64, strided caches: the helpers' ATen ops; a position past the
     cache is an error, as the indexed write's."""

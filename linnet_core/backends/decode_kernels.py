@@ -16,7 +16,8 @@
   where the generic path copies each row's keys and values and calls SDPA (~6x slower at
   Qwen3-4B's shapes, measured on a cold cache as in a step).
 - `step_ops.cpp`: RMSNorm, rope and the cache write, one call each for an eager step, where the
-  emitted ATen ops are 3-8 calls (~1 ms of a 5.7 ms decode step at the 191M Qwen3's shape).
+  emitted ATen ops are 3-8 calls (~1 ms of a 5.7 ms decode step at the 191M Qwen3's shape), and
+  argmax (ATen's reads 16-bit logits one at a time: ~120 us at a 32000-token vocabulary).
 Built with torch's C++ extension builder (g++ and ninja, ~100 s on 2 cores) into ~/.cache/linnet/kernels (or
 $LINNET_KERNELS), keyed by the PyTorch install and the sources, checked against the generic ops,
 and used only where the CPU has AVX-512 BF16 and VNNI; anything missing means the generic ops as before,
@@ -74,7 +75,7 @@ def reference_attention(q, k_cache, v_cache, layer: int, slots, pos, window: int
 
 
 def generic(helper: str):
-    """The generated module's helper `helper` (attend, rms_norm, apply_rope, write_cache), as every
+    """The generated module's helper `helper` (attend, rms_norm, apply_rope, write_cache, argmax), as every
     emitted step has it: what each kernel standing in for it must compute."""
     return _prelude()[helper]
 
@@ -89,8 +90,8 @@ def _prelude() -> dict:
 
 
 def _small_ops_disagree(ext) -> str | None:
-    """Which of the step's small-op kernels computes otherwise than its helper, or None: rope and
-    the cache write exactly, RMSNorm within a float32 rounding of its sum (another summation order)."""
+    """Which of the step's small-op kernels computes otherwise than its helper, or None: rope, the
+    cache write and argmax exactly, RMSNorm within a float32 rounding of its sum (another summation order)."""
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         qkv = torch.randn(2, 3, 160, generator=g).to(dtype)
@@ -110,6 +111,11 @@ def _small_ops_disagree(ext) -> str | None:
         ext.write_cache(k, v, pos, rows, caches[2], caches[3], 1)
         if not (torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])):
             return "the cache write"
+        logits = torch.randn(3, 50, generator=g).to(dtype)
+        logits[1, 7] = logits[1, 30] = logits[1].max() + 1  # a tie: the first
+        logits[2, 9] = float("nan")
+        if not torch.equal(ext.argmax(logits), generic("argmax")(logits)):
+            return "argmax"
     return None
 
 

@@ -66,6 +66,13 @@ def apply_rope(x, cos, sin, kernels=None):
     return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
 
 
+def argmax(x, kernels=None):
+    """The index of the largest of x [..., V] along V (the first on ties)."""
+    if kernels is not None and kernels.argmax is not None:
+        return kernels.argmax(x)
+    return x.argmax(dim=-1)
+
+
 def write_cache(k, v, pos, rows, k_cache, v_cache, layer, kernels=None):
     """Write k, v [B, T, KV, D] at positions pos [B, T] of cache rows [B, T] of `layer`.
 
@@ -148,14 +155,14 @@ TEMPLATES: dict[str, str] = {
     "add": "{out} = {a} + {b}",
     "last_token": "{out} = {a} if all_logits else {a}[torch.arange(B, device=ids.device), last].unsqueeze(1)",
     # The real last position: with all logits, a padded prompt's last token is at `last`.
-    "argmax": "{out} = {a}[torch.arange(B, device=ids.device), last if all_logits else 0].argmax(dim=-1)",
+    "argmax": "{out} = argmax({a}[torch.arange(B, device=ids.device), last if all_logits else 0], kernels)",
 }
 # The ragged form has no positions op (positions are an input) and one entry per wanted token.
 RAGGED_TEMPLATES: dict[str, str] = {
     **{op: t for op, t in TEMPLATES.items() if op != "positions"},
     "attention": "{out} = ragged_attention({args}, k_cache, v_cache, i, {window}, {scale}, kernels)",
     "last_token": "{out} = {a}[0, {b}, None]",
-    "argmax": "{out} = {a}[:, 0].argmax(dim=-1)",
+    "argmax": "{out} = argmax({a}[:, 0], kernels)",
 }
 
 TORCH = Dialect(
