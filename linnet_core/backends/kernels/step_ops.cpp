@@ -1,9 +1,10 @@
 // The small ops between a step's matmuls, one call each, for the eager CPU step. At decode every
 // tensor here is one token's (a few KB), so the time is PyTorch's per-op cost, not arithmetic: the
 // emitted RMSNorm is 8 ATen ops (~16 us), rope 7 (~17 us), the cache write 3 (~11 us), ~1 ms of a
-// 5.7 ms step at the 191M Qwen3's shape. Each function computes what the generated module's helper
-// of the same name computes, rounding to the tensors' dtype where its ATen ops round (so outputs
-// are identical but for the order of RMSNorm's float32 sum).
+// 5.7 ms step at the 191M Qwen3's shape; and the greedy pick, which ATen reads one 16-bit value at
+// a time. Each function computes what the generated module's helper of the same name computes,
+// rounding to the tensors' dtype where its ATen ops round (so outputs are identical but for the
+// order of RMSNorm's float32 sum).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
