@@ -94,26 +94,35 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 
 namespace {
 
+// x * cos + rotate_half(x) * sin for j in [j0, j1), rotate_half(x)[j] = sign * x[j + shift]; each
+// product rounded to T, as the ATen ops round.
+template <typename T>
+inline void rotate(const T* xi, const T* c, const T* s, T* oi, int64_t j0, int64_t j1, int64_t shift, float sign) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const float a = round_to<T>(static_cast<float>(xi[j]) * static_cast<float>(c[j]));
+    const float b = round_to<T>(sign * static_cast<float>(xi[j + shift]) * static_cast<float>(s[j]));
+    oi[j] = static_cast<T>(a + b);
+  }
+}
+
 template <typename T>
 void rope_rows(const T* x, const T* cos, const T* sin, T* out, int64_t B, int64_t T_, int64_t heads, int64_t D,
                int64_t rot, const int64_t* strides) {
   const int64_t half = rot / 2;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T_; ++t) {
-      const T* c = cos + (b * T_ + t) * rot;
-      const T* s = sin + (b * T_ + t) * rot;
+  at::parallel_for(0, B * T_, 16, [&](int64_t i0, int64_t i1) {  // tokens: a prompt's split between threads
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / T_, t = i % T_;
+      const T* c = cos + i * rot;
+      const T* s = sin + i * rot;
       for (int64_t h = 0; h < heads; ++h) {
         const T* xi = x + b * strides[0] + t * strides[1] + h * strides[2];
-        T* oi = out + ((b * T_ + t) * heads + h) * D;
-        for (int64_t j = 0; j < rot; ++j) {  // x * cos + rotate_half(x) * sin, each product as T
-          const float other = j < half ? -static_cast<float>(xi[j + half]) : static_cast<float>(xi[j - half]);
-          const float a = round_to<T>(static_cast<float>(xi[j]) * static_cast<float>(c[j]));
-          const float b2 = round_to<T>(other * static_cast<float>(s[j]));
-          oi[j] = static_cast<T>(a + b2);
-        }
+        T* oi = out + (i * heads + h) * D;
+        rotate(xi, c, s, oi, 0, half, half, -1.f);
+        rotate(xi, c, s, oi, half, rot, -half, 1.f);
         for (int64_t j = rot; j < D; ++j) oi[j] = xi[j];
       }
     }
+  });
 }
 
 }  // namespace
