@@ -170,41 +170,33 @@ class Checkpoint:
         flat = torch.frombuffer(mm, dtype=info.dtype, count=info.nbytes // _itemsize(info.dtype), offset=info.start)
         return flat.view(info.shape)
 
-
     def release(self, name: str) -> None:
         """Drop the pages of `name` from this process's memory (the whole pages inside its bytes):
         after a tensor was copied or packed elsewhere, its mapped original need not stay resident.
         The mapping stays valid; the pages would be read again from the file (in 4 KiB pages) if touched."""
-        info = self.info(name)
-        mm = self._maps.get(info.file)
-        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        start, end = _whole_pages(info)
-        if end > start:
-            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        if self._advise(name, "MADV_DONTNEED"):
             self.in_small_pages(name)  # else a small tensor beside it (a norm) faults in the 2 MiB around it
-
 
     def in_small_pages(self, name: str) -> None:
         """Map `name` in 4 KiB pages (the whole pages inside its bytes): a table read a few rows at a
         time (a token table's gathers) would otherwise fault in a 2 MiB page per row it touches, and a
         prompt of scattered ids keeps tens of MB of a table resident instead of its rows'."""
+        try:
+            self._advise(name, "MADV_NOHUGEPAGE")
+        except OSError:  # a kernel without transparent huge pages
+            pass
+
+    def _advise(self, name: str, advice: str) -> bool:
+        """madvise(`advice`) over the whole pages inside `name`'s bytes, where the platform has it and
+        the file is mapped; whether it was given."""
         info = self.info(name)
         mm = self._maps.get(info.file)
-        if mm is None or not hasattr(mmap, "MADV_NOHUGEPAGE"):
-            return
-        start, end = _whole_pages(info)
-        if end > start:
-            try:
-                mm.madvise(mmap.MADV_NOHUGEPAGE, start, end - start)
-            except OSError:  # a kernel without transparent huge pages
-                pass
-
-
-def _whole_pages(info: TensorInfo) -> tuple[int, int]:
-    """The byte range of the whole pages inside a tensor's bytes: [start, end)."""
-    page = mmap.PAGESIZE
-    return -(-info.start // page) * page, (info.start + info.nbytes) // page * page
+        page = mmap.PAGESIZE
+        start, end = -(-info.start // page) * page, (info.start + info.nbytes) // page * page
+        if mm is None or not hasattr(mmap, advice) or end <= start:
+            return False
+        mm.madvise(getattr(mmap, advice), start, end - start)
+        return True
 
 
 def in_huge_pages(mm: mmap.mmap) -> None:
