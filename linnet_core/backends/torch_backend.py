@@ -48,9 +48,9 @@ def cpu_weights(weights: dict, info: dict, eager: bool) -> list:
     tables = [name for name in info.get("gathered_weights", [])  # a table tied to the head is read whole
               if not any(group[name] is group[head] for head in heads)]
     kernels = pack_linear_weights(weights, info["linear_weights"], pack=kernels_at_load(info["dtype"]))
+    in_small_pages = getattr(weights, "in_small_pages", lambda name: None)  # a plain dict: nothing mapped
     for name in tables:
-        if hasattr(weights, "in_small_pages"):
-            weights.in_small_pages(name)
+        in_small_pages(name)
     add_step_kernels(weights, torch_dtype(info["dtype"]), info["cache"]["head_dim"], eager)
     return kernels
 
