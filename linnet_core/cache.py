@@ -1,8 +1,9 @@
 """The artifact cache: compiled models on disk, keyed by everything that changes them.
 
 Key: model identity (canonical config + a fingerprint of every weight file), backend, dtype,
-cache length, and the versions of Linnet and of the backend's toolchain. An entry is built in a
-temporary folder and renamed into place, so readers see complete entries or none; a file lock
+cache length, the versions of Linnet and of the backend's toolchain, and a digest of the Linnet
+sources that write artifacts (an edited emitter never meets an entry the old code made). An entry
+is built in a temporary folder and renamed into place, so readers see complete entries or none; a file lock
 per key makes concurrent compiles of one key build once; an entry whose manifest or files do
 not check out is moved aside and rebuilt with a warning. Prepared weights are stored once per
 model, dtype and layout (weight_store) and hard-linked into every entry that uses them.
@@ -18,6 +19,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,6 +32,23 @@ from .weight_store import BLOBS, Blob, Placer, WeightKey, WeightStore
 MANIFEST = "manifest.json"
 FULL_HASH_LIMIT = 64 * 1024 * 1024  # files up to this size are hashed whole
 SAMPLES, SAMPLE_BYTES = 16, 1024 * 1024
+
+
+# What shapes an artifact's files: the IR, the model definitions, weight preparation and the emitters.
+ARTIFACT_SOURCES = ("ir", "models", "backends", "params.py", "quant.py", "dtypes.py")
+
+
+@lru_cache(maxsize=1)
+def source_digest() -> str:
+    """sha256 over the Linnet sources that write artifacts (a version bump is easy to forget)."""
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for entry in ARTIFACT_SOURCES:
+        path = root / entry
+        for f in sorted(path.rglob("*") if path.is_dir() else [path]):
+            if f.suffix in (".py", ".cpp") and "__pycache__" not in f.parts:
+                h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def cache_root() -> Path:
@@ -89,8 +108,8 @@ class ArtifactKey:
     @property
     def digest(self) -> str:
         payload = json.dumps(
-            {"linnet": __version__, "identity": self.identity, "backend": self.backend, "dtype": self.dtype,
-             "cache_len": self.cache_len, "toolchain": dict(self.toolchain)},
+            {"linnet": __version__, "sources": source_digest(), "identity": self.identity, "backend": self.backend,
+             "dtype": self.dtype, "cache_len": self.cache_len, "toolchain": dict(self.toolchain)},
             sort_keys=True,
         )
         return hashlib.sha256(payload.encode()).hexdigest()

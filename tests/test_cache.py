@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -50,6 +51,18 @@ def test_key_covers_dtype_cache_len_and_backend_toolchain(model, cache, monkeypa
     assert compile_model(model, "torch", "bfloat16", 32, cache=cache).artifact != base
     assert compile_model(model, "torch", "float32", 48, cache=cache).artifact != base
     monkeypatch.setattr(type(get_backend("torch")), "toolchain", lambda self: {"torch": "0.0-other"})
+    assert not compile_model(model, "torch", "float32", 32, cache=cache).hit
+
+
+def test_key_covers_the_sources_that_write_artifacts(model, cache, monkeypatch):
+    """An edited emitter (a new source digest) misses the entries the old code made."""
+    import linnet_core.cache as cache_module
+
+    root = Path(cache_module.__file__).parent
+    assert all((root / entry).exists() for entry in cache_module.ARTIFACT_SOURCES)  # a rename drops no source
+    assert len(cache_module.source_digest()) == 16
+    compile_model(model, "torch", "float32", 32, cache=cache)
+    monkeypatch.setattr(cache_module, "source_digest", lambda: "edited-emitter")
     assert not compile_model(model, "torch", "float32", 32, cache=cache).hit
 
 

@@ -108,7 +108,9 @@ def ragged_attention(q, k, v, pos, token_slots, d_slots, d_kv_len, p_slots, p_in
         out = attend(q[0, :n_decode, None], pos[0, :n_decode, None], d_slots, d_kv_len,
                      k_cache, v_cache, layer, window, scale, gqa, kernels)
         outs.append(out[:, 0][None])
-    if p_slots.shape[0]:  # [1, N, H, D] -> [Bp, Tp, H, D] -> [1, Np, H, D]
+    if p_slots.shape[0] == 1 and not n_decode and p_index.shape[1] == q.shape[1]:  # one whole chunk: already [1, N]
+        outs.append(attend(q, pos, p_slots, p_kv_len, k_cache, v_cache, layer, window, scale, gqa))
+    elif p_slots.shape[0]:  # [1, N, H, D] -> [Bp, Tp, H, D] -> [1, Np, H, D]
         out = attend(q[0][p_index], pos[0][p_index], p_slots, p_kv_len, k_cache, v_cache, layer, window, scale, gqa)
         outs.append(out.flatten(0, 1)[p_pack][None])
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -128,10 +130,13 @@ def attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, gqa, k
     mask = key_pos <= pos[..., None]  # [B, T, kv_len]: causal, and hides stale cache entries
     if window is not None:
         mask = mask & (key_pos > pos[..., None] - window)
+    dtype = q.dtype
+    if dtype == torch.float16 and q.device.type == "cpu":  # PyTorch's CPU float16 SDPA runs ~2.6x slower than float32's
+        q, keys, values = q.float(), keys.float(), values.float()
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=gqa,
     )  # [B, H, T, D]
-    return out.transpose(1, 2)
+    return out.transpose(1, 2).to(dtype)
 '''
 
 

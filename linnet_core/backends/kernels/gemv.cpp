@@ -97,7 +97,7 @@ constexpr int64_t TILE_M = 4, TILE_N = 6;  // 24 accumulators + 6 weights + 1 to
 constexpr int64_t BLOCK_N = 48;             // weight rows a thread holds in cache while the token rows pass
 
 template <int RM, int RN>
-void tile(const float* x, const uint16_t* w, int64_t K, int64_t N, int64_t m0, int64_t n0, float* y) {
+void tile(const float* x, const uint16_t* w, int64_t K, int64_t N, int64_t m0, int64_t n0, uint16_t* y) {
   __m512 acc[RM][RN];
   for (int i = 0; i < RM; ++i)
     for (int j = 0; j < RN; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -110,11 +110,12 @@ void tile(const float* x, const uint16_t* w, int64_t K, int64_t N, int64_t m0, i
     }
   }
   for (int i = 0; i < RM; ++i)
-    for (int j = 0; j < RN; ++j) y[(m0 + i) * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int j = 0; j < RN; ++j)  // rounded to float16 here, as .to(float16) would (to nearest even)
+      y[(m0 + i) * N + n0 + j] = _cvtss_sh(_mm512_reduce_add_ps(acc[i][j]), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
 template <int RM>
-void tile_n(const float* x, const uint16_t* w, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t rn, float* y) {
+void tile_n(const float* x, const uint16_t* w, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t rn, uint16_t* y) {
   switch (rn) {  // the last weight rows of a block: 1..TILE_N
     case 1: return tile<RM, 1>(x, w, K, N, m0, n0, y);
     case 2: return tile<RM, 2>(x, w, K, N, m0, n0, y);
@@ -125,7 +126,7 @@ void tile_n(const float* x, const uint16_t* w, int64_t K, int64_t N, int64_t m0,
   }
 }
 
-void tiles(const float* x, const uint16_t* w, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+void tiles(const float* x, const uint16_t* w, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, uint16_t* y) {
   for (int64_t m0 = 0; m0 < M; m0 += TILE_M)
     for (int64_t n = n0; n < n1; n += TILE_N) {
       const int64_t rn = std::min(TILE_N, n1 - n);
@@ -146,14 +147,14 @@ torch::Tensor gemm_f16(const torch::Tensor& x, const torch::Tensor& w) {
   const int64_t K = w.size(1), N = w.size(0), M = x.numel() / K;
   TORCH_CHECK(K % 16 == 0 && x.size(-1) == K, "gemm_f16: K % 16 == 0");
   const auto x32 = x.reshape({M, K}).to(at::kFloat).contiguous();
-  auto y = torch::empty({M, N}, x32.options());
+  auto y = torch::empty({M, N}, x.options());
   const float* xp = x32.data_ptr<float>();
   const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
-  float* yp = y.data_ptr<float>();
+  auto* yp = static_cast<uint16_t*>(y.data_ptr());
   at::parallel_for(0, (N + BLOCK_N - 1) / BLOCK_N, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) tiles(xp, wp, M, K, N, b * BLOCK_N, std::min(N, (b + 1) * BLOCK_N), yp);
   });
   auto sizes = x.sizes().vec();
   sizes.back() = N;
-  return y.to(at::kHalf).view(sizes);
+  return y.view(sizes);
 }
