@@ -35,6 +35,18 @@ class Model:
     def path(self) -> Path:
         return self.resolved.path
 
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.is_file()
+
+    def checkpoint(self) -> Checkpoint:
+        """Its tensors, mapped lazily, under the family's Hugging Face names (a GGUF's too)."""
+        if self.is_gguf:
+            from .gguf_source import GgufCheckpoint
+
+            return GgufCheckpoint(self.path, self.spec)
+        return Checkpoint(self.files)
+
 
 @dataclass(frozen=True)
 class Compiled:
@@ -49,6 +61,12 @@ class Compiled:
 
 def open_model(model: str | Path | None, revision: str | None = None) -> Model:
     resolved = resolve(model, revision)
+    if resolved.path.is_file():  # a GGUF: the config its metadata describes, the file its only one
+        from .gguf_source import read_gguf_config
+
+        config, parsed = read_gguf_config(resolved.path)
+        parsed.close()
+        return Model(resolved, config, spec_from_config(config), (resolved.path,))
     config = read_config(resolved.path)
     spec = spec_from_config(config)
     files = tuple(checkpoint_files(resolved.path))
@@ -113,7 +131,7 @@ def compile_model(model: str | Path | Model | None, backend: str = "torch", dtyp
             check_fits(m.spec, be, dt, n, 1, be.default_device())
         if progress:
             progress(f"compiling {key.model} for {be.name} ({dt}, cache {n}); later runs load it from the cache")
-        ckpt = Checkpoint(m.files)
+        ckpt = m.checkpoint()
         be.compile(build_graph(m.spec), ckpt, dt, n, out, place=cache.placer(key))
 
     entry = cache.get_or_build(key, build, meta={"source": str(m.path), "model_type": m.spec.model_type})

@@ -24,7 +24,7 @@ _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 @dataclass(frozen=True)
 class ResolvedModel:
     name: str  # what the user typed (or the default's name)
-    path: Path  # the checkpoint folder
+    path: Path  # the checkpoint folder, or a GGUF file
     repo_id: str | None = None
     revision: str | None = None
 
@@ -36,15 +36,17 @@ def fetch_command(repo_id: str, revision: str | None) -> str:
 
 
 def resolve(model: str | os.PathLike | None, revision: str | None = None) -> ResolvedModel:
-    """Find the checkpoint folder for `model`; None means the model embedded in Linnet."""
+    """Find the checkpoint folder (or GGUF file) for `model`; None means the model embedded in Linnet."""
     if model is None or str(model) == DEFAULT_MODEL_NAME:
         return ResolvedModel(DEFAULT_MODEL_NAME, DEFAULT_MODEL_DIR)
     text = str(model)
     local = Path(text).expanduser()
     if local.is_dir():
         return ResolvedModel(text, local.resolve())
+    if local.is_file() and local.suffix.lower() == ".gguf":
+        return ResolvedModel(text, local.resolve())
     if local.exists():
-        raise ModelNotFound(f"'{text}' is a file; a model is a checkpoint folder, a repo id or a short name")
+        raise ModelNotFound(f"'{text}' is a file; a model is a checkpoint folder, a .gguf file, a repo id or a short name")
     repo_id = SHORT_NAMES.get(text.lower(), text)
     if not _REPO_ID.match(repo_id) or text.startswith((".", "/", "~")):
         raise ModelNotFound(

@@ -74,11 +74,20 @@ def produce(graph: Graph, ckpt: Checkpoint, dtype: str) -> Iterator[torch.Tensor
     formats = param_formats(graph, dtype)
     for full, p, layer in graph.all_params():
         if full not in aliases:
-            if FORMATS[formats[full]].quantized:  # from float32, as llama.cpp's quantizer takes them
-                yield quantize(materialize(p, layer, ckpt, torch.float32), formats[full])
+            if FORMATS[formats[full]].quantized:
+                yield stored_blocks(p, layer, ckpt, formats[full])
             else:
                 yield materialize(p, layer, ckpt, torch_dtype(dtype))
             release_sources(p, layer, ckpt)
+
+
+def stored_blocks(p: Param, layer: int | None, ckpt: Checkpoint, fmt: str) -> torch.Tensor:
+    """`p` as `fmt` blocks: the source's own bytes where every part is stored so (a GGUF of that
+    format), else quantized from float32 as llama.cpp's quantizer takes them."""
+    own = [ckpt.blocks(s, fmt) for s in p.sources(layer)]
+    if all(b is not None for b in own):
+        return own[0] if len(own) == 1 else torch.cat(own, dim=0)
+    return quantize(materialize(p, layer, ckpt, torch.float32), fmt)
 
 
 def release_sources(p: Param, layer: int | None, ckpt: Checkpoint) -> None:

@@ -44,7 +44,11 @@ def read_chat_template(folder: Path, tokenizer_config: dict | None = None) -> st
 
 class Tokenizer:
     def __init__(self, folder: Path):
+        """The tokenizer of a checkpoint folder, or the one a GGUF file carries."""
         self.folder = folder
+        if folder.is_file():
+            self._from_gguf(folder)
+            return
         cfg = _read_json(folder / "tokenizer_config.json")
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
@@ -70,6 +74,17 @@ class Tokenizer:
         self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
         if self.eos_token is not None and self.token_id(self.eos_token) is not None:
             self.eos_ids.add(self.token_id(self.eos_token))
+
+    def _from_gguf(self, path: Path) -> None:
+        from .export.gguf_read import GGUFFile
+        from .gguf_tokenizer import tokenizer_from_gguf
+
+        with GGUFFile(path) as g:
+            built = tokenizer_from_gguf(g.metadata)
+            eos_ids = [g.metadata.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id")]
+        self._tok, self._fallback = built.tokenizer, None
+        self.bos_token, self.eos_token, self.chat_template = built.bos_token, built.eos_token, built.chat_template
+        self.eos_ids = {i for i in eos_ids if isinstance(i, int)}
 
     @property
     def vocab_size(self) -> int:

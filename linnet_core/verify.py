@@ -68,7 +68,12 @@ def tolerance_for(reference: np.ndarray, dtype: str) -> float:
 
 
 def has_tokenizer(folder: Path) -> bool:
-    return (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file()
+    """A checkpoint folder with tokenizer files, or a GGUF (which carries its vocabulary)."""
+    return folder.is_file() or (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file()
+
+
+# What llama.cpp's CPU dot products round activations to, by the GGUF's storage format.
+LLAMACPP_ACTIVATIONS = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
 def prompt_ids(model: Model, prompt: str | None) -> list[int]:
@@ -87,6 +92,27 @@ def prompt_ids(model: Model, prompt: str | None) -> list[int]:
             hint="the tokenizer and the weights do not belong together; pass --prompt text the model can take",
         )
     return ids
+
+
+def _transformers_reference(m: Model, ids: list[int], steps: int, compiled, activations: str, reference):
+    """transformers on the checkpoint (over the dequantized blocks for a quantized dtype), and for one
+    the original model's logits over a real text: (run, its dtype, original, text, text ids)."""
+    ref_dtype = "float32" if reference is not None else reference_dtype(m.spec, compiled.dtype)
+    quantized = FORMATS[compiled.dtype].quantized
+    effect_text, effect_ids, original = None, [], None
+    if quantized:
+        effect_text, effect_ids = text_ids(m, compiled.cache_len)
+    ref_model = reference if reference is not None else load_reference(m.path, ref_dtype)
+    try:
+        if quantized:  # the original model over a real text (quantization's own cost), then, over the
+            original = run_reference(ref_model, effect_ids, 0)  # same dequantized weights, the kernels' error
+            if ref_model is reference:  # a copy: the caller's model stays as it was
+                ref_model = copy.deepcopy(ref_model)
+            as_quantized(ref_model, m.spec, compiled.dtype, activations)
+        return run_reference(ref_model, ids, steps), ref_dtype, original, effect_text, effect_ids
+    finally:
+        del ref_model
+        gc.collect()
 
 
 def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str = "float32", steps: int = 8,
@@ -108,22 +134,17 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
     check_fits(m.spec, be, compiled.dtype, compiled.cache_len, 1, device)
     # The reference first, then the backend: only the reference's logits are kept in between, so a
     # model as big as memory allows is never held twice.
-    ref_dtype = "float32" if reference is not None else reference_dtype(m.spec, compiled.dtype)
-    quantized = FORMATS[compiled.dtype].quantized
-    effect_text, effect_ids, original = None, [], None
-    if quantized:
-        effect_text, effect_ids = text_ids(m, compiled.cache_len)
-    ref_model = reference if reference is not None else load_reference(m.path, ref_dtype)
-    try:
-        if quantized:  # the original model over a real text (quantization's own cost), then, over the
-            original = run_reference(ref_model, effect_ids, 0)  # same dequantized weights, the kernels' error
-            if ref_model is reference:  # a copy: the caller's model stays as it was
-                ref_model = copy.deepcopy(ref_model)
-            as_quantized(ref_model, m.spec, compiled.dtype, activations)
-        ref = run_reference(ref_model, ids, steps)
-    finally:
-        del ref_model
-        gc.collect()
+    original = effect_text = None
+    if m.is_gguf:  # the file's own engine is its reference: llama.cpp on the same bytes
+        from .llamacpp_ref import run_llamacpp
+
+        ref = run_llamacpp(m.path, ids, steps)
+        ref_dtype = f"llama.cpp ({m.spec.dtype} weights)"
+        ref_activations = LLAMACPP_ACTIVATIONS.get(m.spec.dtype, "int8")  # blocks: int8 activations, as q8_0
+    else:
+        ref, ref_dtype, original, effect_text, effect_ids = _transformers_reference(m, ids, steps, compiled,
+                                                                                    activations, reference)
+        ref_activations = "float32" if ref_dtype == "float32" else ref_dtype
     session, compiled = load_model(m, backend, dtype, cache_len, rows=1, **load_kw)
 
     got = [session.prefill(ids, logits="all")]
@@ -132,8 +153,8 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
     logits = np.concatenate([g.logits[0] for g in got])  # [T + steps, V]
     tokens = [g.tokens[0] for g in got]
     distance, tolerance, top1 = compare_logits(logits, ref.logits, activations)
-    if ref_dtype != "float32":  # the reference rounds as much as the backend: two errors, not one
-        tolerance *= 2
+    if ref_activations != "float32":  # the reference rounds too: two errors, not one, the larger twice
+        tolerance = 2 * max(tolerance, tolerance_for(ref.logits, ref_activations))
     effect = None
     if original is not None:
         got_text = session.prefill(effect_ids, logits="all").logits[0]  # [T, V]

@@ -159,16 +159,25 @@ class Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         """A tensor viewing the mapped file: no copy until it is converted or written to."""
         info = self.info(name)
-        mm = self._maps.get(info.file)
-        if mm is None:
-            with open(info.file, "rb") as f:
-                # Copy-on-write mapping: pages load on first touch, and torch gets a writable buffer.
-                mm = self._maps[info.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            in_huge_pages(mm)
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=info.dtype)
-        flat = torch.frombuffer(mm, dtype=info.dtype, count=info.nbytes // _itemsize(info.dtype), offset=info.start)
+        flat = torch.frombuffer(self._mapped(info.file), dtype=info.dtype, count=info.nbytes // _itemsize(info.dtype),
+                                offset=info.start)
         return flat.view(info.shape)
+
+    def blocks(self, name: str, fmt: str) -> torch.Tensor | None:
+        """`name` as stored blocks of the quantized format `fmt`, where the file holds it so (a GGUF
+        source does; safetensors never)."""
+        return None
+
+    def _mapped(self, file: Path) -> mmap.mmap:
+        mm = self._maps.get(file)
+        if mm is None:
+            with open(file, "rb") as f:
+                # Copy-on-write mapping: pages load on first touch, and torch gets a writable buffer.
+                mm = self._maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            in_huge_pages(mm)
+        return mm
 
     def release(self, name: str) -> None:
         """Drop the pages of `name` from this process's memory (the whole pages inside its bytes):

@@ -152,6 +152,44 @@ def test_phi3_name_that_would_make_llama_cpp_demand_missing_tokens(tokenized_che
         assert g.metadata["general.name"] == "llama-gqa-untied"
 
 
+@pytest.fixture
+def phi3_byte_level(tmp_path):
+    """A Phi-3 named as such, whose tokenizer is byte-level BPE with <|end|> but no <s>, </s>, <unk>."""
+    from family_fixtures import CASES, TOKENIZED_VOCAB, make_checkpoint
+    from tokenizer_fixtures import write_tokenizer
+
+    case = next(c for c in CASES if c.id == "phi3-fused-window")
+    folder = make_checkpoint(case, tmp_path / "Phi-3-mini-bpe", vocab_size=TOKENIZED_VOCAB)
+    write_tokenizer(folder, "phi-bpe", TOKENIZED_VOCAB)
+    return folder
+
+
+@needs_llama_cpp
+def test_phi3_with_a_byte_level_vocabulary_loads_in_llama_cpp(phi3_byte_level, tmp_path):
+    """llama.cpp looks four tokens up by text when general.name says phi3 ("unordered_map::at" when one
+    is missing): the name is left out, the file loads and matches its source."""
+    result = export_gguf(phi3_byte_level, tmp_path / "m.gguf", "f32", consumer="llama.cpp")
+    assert result.check.passed and result.check.tokenizer_match
+    with read_gguf(result.out) as g:
+        assert "general.name" not in g.metadata and g.metadata["tokenizer.ggml.model"] == "gpt2"
+
+
+@needs_llama_cpp
+def test_a_file_llama_cpp_refuses_names_its_reason_and_is_not_written(phi3_byte_level, tmp_path, monkeypatch):
+    """The exception llama-cpp-python raises says only "Failed to load model"; the export's error
+    carries llama.cpp's own reason from its log, and no hint about dtypes."""
+    from dataclasses import replace
+
+    real = gguf_export.gguf_layout
+    monkeypatch.setattr(gguf_export, "gguf_layout",  # the name check as it was: <|end|> only
+                        lambda spec: replace(real(spec), name_needs_tokens=(("phi3",), ("<|end|>",))))
+    with pytest.raises(ExportCheckFailed) as failed:
+        export_gguf(phi3_byte_level, tmp_path / "m.gguf", "f32", consumer="llama.cpp")
+    assert "unordered_map::at" in failed.value.message and "nothing was written" in failed.value.message
+    assert "dtype" not in failed.value.hint
+    assert [p.name for p in tmp_path.iterdir()] == [phi3_byte_level.name]  # the source alone, no file, no temp
+
+
 @needs_llama_cpp
 def test_a_wrong_layout_is_caught_and_not_written(tokenized_checkpoints, tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_export, "permute_for_interleaved_rope", lambda w, heads: w)  # forget the permutation

@@ -80,6 +80,9 @@ STYLES = {
               {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None, "chat_template": CHATML}),
     "llama3": (lambda v: byte_level(v - 16, LLAMA3_SPLIT, ["<|begin_of_text|>", "<|end_of_text|>"]),
                {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "chat_template": CHATML}),
+    # Phi-3's successors ship byte-level BPE with Phi-3's chat tokens and none of <s>, </s>, <unk>.
+    "phi-bpe": (lambda v: byte_level(v - 16, LLAMA3_SPLIT, ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]),
+                {"eos_token": "<|end|>", "pad_token": "<|endoftext|>", "bos_token": None}),
     "spm": (sentencepiece_style, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
                                   "chat_template": INST}),
 }

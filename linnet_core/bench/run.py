@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +30,7 @@ from ..compile import Model, compile_model, open_model, pick_dtype
 from ..backends import get_backend
 from ..backends.artifact import WEIGHTS_FILE
 from ..dtypes import FORMATS
-from ..errors import CacheError, LinnetError
+from ..errors import CacheError, InputError, LinnetError
 from ..memory import check_fits
 from ..weights import drop_cached
 from .machine import decode_bytes_per_step, environment, stream_bandwidth
@@ -38,6 +38,9 @@ from .subjects import BASELINE, Method, Subject, why_missing
 
 LOAD_TIMEOUT_S = 3600.0  # a compiled comparator may compile for minutes while loading
 RUN_TIMEOUT_S = 1800.0
+# A GGUF model: llama.cpp runs the very file; transformers loads Linnet's Hugging Face export of it.
+GGUF_SOURCE_LABEL = "llama.cpp on the file"
+GGUF_SOURCE_NOTE = "llama-cpp-python on the GGUF itself, with its defaults (f16 KV cache); one sequence"
 
 
 @dataclass
@@ -222,6 +225,21 @@ def _prepare(side: Side, m: Model, dtype: str, method: Method, workdir: Path, re
         side.prepare_s = None if c.hit else c.seconds
         _read_afresh(c.artifact / WEIGHTS_FILE)
         return {"backend": s.backend}
+    if s.key in ("transformers", "transformers-compiled") and m.is_gguf:
+        # transformers reads a GGUF's config only in part (not Qwen3's head_dim): it loads Linnet's export
+        from ..export.hf_export import export_hf
+
+        out = workdir / "hf-reference"
+        if not out.exists():
+            reporter.stage("exporting the GGUF as a Hugging Face checkpoint for transformers")
+            side.prepare_s = export_hf(m, out, "float32" if FORMATS[dtype].quantized else dtype, check=False).seconds
+        return {"model": str(out)}
+    if s.key == "llama.cpp" and m.is_gguf:
+        if dtype != m.spec.dtype:
+            raise InputError(f"llama.cpp runs the file as it is stored ({m.spec.dtype}); bench --dtype {m.spec.dtype} "
+                             "to put it beside Linnet")
+        _read_afresh(m.path)
+        return {"gguf": str(m.path)}
     if s.key == "llama.cpp":
         from ..export.gguf_export import export_gguf
 
@@ -252,7 +270,8 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
     own_workdir = workdir is None
     workdir = Path(workdir or tempfile.mkdtemp(prefix="linnet-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    sides = [Side(s) for s in subjects]
+    sides = [Side(replace(s, label=GGUF_SOURCE_LABEL, note=GGUF_SOURCE_NOTE) if m.is_gguf and s.key == "llama.cpp"
+                  else s) for s in subjects]
     for side in sides:
         why = why_missing(side.subject, dtype, method.batch, device) or _too_big(side.subject, m, dtype, method, device)
         if why:

@@ -84,6 +84,12 @@ def output_file(out: Path, force: bool = False):
 
 
 def copy_tokenizer(src: Path, dst: Path) -> None:
+    """The checkpoint's tokenizer files into `dst`; a GGUF source's tokenizer written out as files."""
+    if src.is_file():
+        from ..gguf_tokenizer import write_tokenizer_files
+
+        write_tokenizer_files(src, dst)
+        return
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)

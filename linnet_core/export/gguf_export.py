@@ -26,7 +26,7 @@ from ..quant import param_formats, quantize
 from ..tokenizer import read_chat_template
 from ..weights import Checkpoint
 from . import ExportResult, output_file, summarize
-from .gguf_vocab import GgufVocab, read_vocab
+from .gguf_vocab import GgufVocab, read_vocab, vocab_from_gguf
 
 GGUF_FORMATS = ("float32", "float16", "bfloat16", "q8_0", "q4_0")  # the storage formats this export writes
 GGUF_DTYPES = tuple(FORMATS[f].gguf for f in GGUF_FORMATS)  # as llama.cpp names them: f32 ... q8_0
@@ -153,6 +153,8 @@ def _metadata(w, spec: ModelSpec, layout: GgufLayout, vocab: GgufVocab, dtype: s
     w.add_rope_freq_base(spec.rope.theta)
     w.add_layer_norm_rms_eps(spec.rms_norm_eps)
     w.add_vocab_size(spec.vocab_size)
+    if len(set(spec.layer_windows)) == 1 and spec.layer_windows[0]:  # one window for every layer: declared, so
+        w.add_sliding_window(spec.layer_windows[0])                   # a GGUF read back slides it too
     if spec.rope.type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.rope.factor)
@@ -165,7 +167,7 @@ def _metadata(w, spec: ModelSpec, layout: GgufLayout, vocab: GgufVocab, dtype: s
         w.add_name(name)
 
 
-def _vocab(w, folder: Path, vocab: GgufVocab, gguf) -> None:
+def _write_vocab(w, vocab: GgufVocab) -> None:
     w.add_tokenizer_model(vocab.model)
     if vocab.pre:
         w.add_tokenizer_pre(vocab.pre)
@@ -175,6 +177,10 @@ def _vocab(w, folder: Path, vocab: GgufVocab, gguf) -> None:
         w.add_token_scores(vocab.scores)
     if vocab.add_space_prefix is not None:
         w.add_add_space_prefix(vocab.add_space_prefix)
+
+
+def _vocab(w, folder: Path, vocab: GgufVocab, gguf) -> None:
+    _write_vocab(w, vocab)
     special = gguf.SpecialVocab(folder, load_merges=vocab.model == "gpt2", n_vocab=len(vocab.tokens))
     special.chat_template = None  # written below from the files Linnet itself reads templates from
     ids = special.special_token_ids
@@ -188,6 +194,22 @@ def _vocab(w, folder: Path, vocab: GgufVocab, gguf) -> None:
         w.add_chat_template(template)
 
 
+# A GGUF model's tokenizer keys written again as they are (its vocabulary goes through GgufVocab).
+COPIED_TOKENIZER_KEYS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "add_bos_token",
+                         "add_eos_token")
+
+
+def _vocab_from_source(w, vocab: GgufVocab, meta: dict) -> None:
+    _write_vocab(w, vocab)
+    if vocab.merges:
+        w.add_token_merges(vocab.merges)
+    for key in COPIED_TOKENIZER_KEYS:
+        if f"tokenizer.ggml.{key}" in meta:
+            getattr(w, f"add_{key.replace('unknown', 'unk').replace('padding', 'pad')}")(meta[f"tokenizer.ggml.{key}"])
+    if isinstance(meta.get("tokenizer.chat_template"), str):
+        w.add_chat_template(meta["tokenizer.chat_template"])
+
+
 def write_gguf(model: Model, path: Path, dtype: str, progress: Callable[[str], None] | None = None) -> None:
     gguf = require_gguf()
     import logging
@@ -195,11 +217,22 @@ def write_gguf(model: Model, path: Path, dtype: str, progress: Callable[[str], N
     logging.getLogger("gguf").setLevel(logging.WARNING)  # the writer logs every step at INFO
     spec = model.spec
     layout = gguf_layout(spec)
-    vocab = read_vocab(model.path, spec.vocab_size)
-    plan = _plan(spec, layout, Checkpoint(model.files), dtype, gguf)
+    name = model.resolved.name.rstrip("/").split("/")[-1]
+    if model.is_gguf:  # another format of a GGUF model: its vocabulary and tokenizer keys as they are
+        from .gguf_read import read_gguf
+
+        with read_gguf(model.path) as source:
+            meta = source.metadata
+        vocab, name = vocab_from_gguf(meta), meta.get("general.name") or model.path.stem
+    else:
+        vocab = read_vocab(model.path, spec.vocab_size)
+    plan = _plan(spec, layout, model.checkpoint(), dtype, gguf)
     w = gguf.GGUFWriter(None, layout.arch)
-    _metadata(w, spec, layout, vocab, dtype, model.resolved.name.rstrip("/").split("/")[-1], gguf)
-    _vocab(w, model.path, vocab, gguf)
+    _metadata(w, spec, layout, vocab, dtype, name, gguf)
+    if model.is_gguf:
+        _vocab_from_source(w, vocab, meta)
+    else:
+        _vocab(w, model.path, vocab, gguf)
     for t in plan:
         w.add_tensor_info(t.name, t.declared_shape, t.declared_dtype, t.nbytes, raw_dtype=t.qtype if t.raw else None)
     w.write_header_to_file(path)

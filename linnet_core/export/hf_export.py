@@ -16,10 +16,11 @@ import torch
 from ..compile import Model, open_model, pick_dtype
 from ..models import build_graph, hf_architecture
 from ..models.spec import ModelSpec
-from ..dtypes import torch_dtype
+from ..dtypes import FORMATS, torch_dtype
+from ..errors import InputError
 from ..params import layout, materialize, release_sources
 from ..units import parse_size
-from ..weights import Checkpoint, write_safetensors
+from ..weights import write_safetensors
 from . import ExportResult, copy_tokenizer, output_folder, summarize
 
 DEFAULT_MAX_SHARD = 5 * 10**9  # bytes, as transformers' "5GB"
@@ -102,7 +103,7 @@ def _nbytes(shape, dtype) -> int:
 def write_weights(model: Model, out: Path, dtype: str, max_shard_bytes: int) -> None:
     """Shards `model-0000k-of-0000n.safetensors` plus the index that names each tensor's shard."""
     graph = build_graph(model.spec)  # unfused: one param per checkpoint tensor, under its canonical name
-    ckpt = Checkpoint(model.files)
+    ckpt = model.checkpoint()
     entries, _aliases = layout(graph, dtype)  # a tied head is stored once, as transformers expects
     params = {full: (p, layer) for full, p, layer in graph.all_params()}
     hf_names = [params[name][0].sources(params[name][1])[0] for name, _, _ in entries]
@@ -140,6 +141,9 @@ def export_hf(model: str | Path | Model | None, out: Path, dtype: str = "auto", 
     started = time.perf_counter()
     m = model if isinstance(model, Model) else open_model(model, revision)
     dt = pick_dtype(dtype, m.spec)
+    if FORMATS[dt].quantized:
+        raise InputError(f"a Hugging Face checkpoint holds float weights, not {dt} blocks",
+                         hint="pass --dtype float32, bfloat16 or float16 (the blocks are dequantized)")
     max_bytes = parse_size(max_shard_size)
     report = None
     with output_folder(Path(out), force) as tmp:

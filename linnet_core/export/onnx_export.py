@@ -9,7 +9,6 @@ from ..backends.onnx_emit import emit_onnx, require_onnx
 from ..compile import Model, open_model, pick_cache_len, pick_dtype
 from ..ir.passes import optimize
 from ..models import build_graph
-from ..weights import Checkpoint
 from . import ExportResult, copy_tokenizer, output_folder, summarize
 
 
@@ -21,6 +20,6 @@ def export_onnx(model: str | Path | Model | None, out: Path, dtype: str = "float
     require_onnx()  # the onnx package is needed; ONNX Runtime is not
     n = pick_cache_len(cache_len, m.spec)
     with output_folder(Path(out), force) as tmp:
-        emit_onnx(optimize(build_graph(m.spec)), Checkpoint(m.files), dt, n, tmp)
+        emit_onnx(optimize(build_graph(m.spec)), m.checkpoint(), dt, n, tmp)
         copy_tokenizer(m.path, tmp)
     return summarize(Path(out), started)

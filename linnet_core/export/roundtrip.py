@@ -11,10 +11,6 @@ The greedy tokens of the decode steps are reported beside the verdict.
 from __future__ import annotations
 
 import importlib.metadata
-import os
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,7 +19,7 @@ import numpy as np
 from ..compile import Model
 from ..dtypes import FORMATS, normalize_dtype, normalize_format
 from ..errors import BackendUnavailable, CheckpointError, InputError, VerifyFailed
-from ..reference import quiet_transformers, reference_dtype, reference_run, run_reference
+from ..reference import ReferenceRun, quiet_transformers, reference_dtype, reference_run, run_reference
 from ..tokenizer import Tokenizer
 from ..verify import TOLERANCE, compare_logits, prompt_ids, tolerance_for
 from .gguf_read import read_gguf
@@ -37,7 +33,9 @@ GATED_BY_DISTANCE = ("float32", "float16")
 
 
 class ExportCheckFailed(VerifyFailed):
-    """The export loaded back but computes something else than its source."""
+    """The export did not load back, or computes something else than its source."""
+
+    default_hint = "pass --no-check to write it anyway"
 
 
 @dataclass
@@ -110,19 +108,25 @@ def _version(dist: str) -> str:
 def _hf_tokenizers_match(source: Path, export: Path, **export_kw) -> bool | None:
     from transformers import AutoTokenizer
 
-    try:
-        src = AutoTokenizer.from_pretrained(str(source))
-    except (OSError, ValueError, TypeError):
+    try:  # a GGUF source: the tokenizer Linnet rebuilds from the file, which Linnet's commands use
+        want = Tokenizer(source).encode(SAMPLE_TEXT, add_special_tokens=False) if source.is_file() else \
+            AutoTokenizer.from_pretrained(str(source)).encode(SAMPLE_TEXT, add_special_tokens=False)
+    except (OSError, ValueError, TypeError, CheckpointError):
         return None  # the source has no tokenizer to compare against
-    dst = AutoTokenizer.from_pretrained(str(export), **export_kw)
-    return src.encode(SAMPLE_TEXT, add_special_tokens=False) == dst.encode(SAMPLE_TEXT, add_special_tokens=False)
+    return AutoTokenizer.from_pretrained(str(export), **export_kw).encode(SAMPLE_TEXT, add_special_tokens=False) == want
 
 
 def check_hf(model: Model, folder: Path, dtype: str) -> RoundTrip:
-    """The exported folder in transformers (loaded in float32: the distance is the export's own)."""
+    """The exported folder in transformers (loaded in float32: the distance is the export's own),
+    against the source in transformers, or in llama.cpp for a GGUF source."""
     ids = prompt_ids(model, None)
     ref_dtype = reference_dtype(model.spec, dtype)  # float32 unless too big: then both sides in `dtype`
-    ref = reference_run(model.path, ids, HF_STEPS, ref_dtype)
+    if model.is_gguf:
+        from ..llamacpp_ref import run_llamacpp
+
+        ref = run_llamacpp(model.path, ids, HF_STEPS)
+    else:
+        ref = reference_run(model.path, ids, HF_STEPS, ref_dtype)
     got = reference_run(folder, ids, HF_STEPS, ref_dtype, feed=ref.tokens)
     match = _hf_tokenizers_match(model.path, folder)
     return _judge("hf", f"transformers {_version('transformers')}", dtype, ids, ref, got.logits, HF_STEPS, match)
@@ -169,8 +173,11 @@ def check_gguf(model: Model, file: Path, dtype: str, consumer: str | None = None
     steps = max(1, min(GGUF_STEPS, context // 2))
     ids = ids[:max(1, context - steps)]
     fmt = normalize_format(dtype)  # quantized: the reference computes on the file's dequantized blocks
-    ref = reference_run(model.path, ids, steps, reference_dtype(model.spec, dtype),
-                        quantized=(model.spec, fmt) if FORMATS[fmt].quantized else None)
+    if model.is_gguf:  # another format of a GGUF model: against Linnet on the same weights, in that format
+        ref = _linnet_reference(model, ids, steps, fmt)
+    else:
+        ref = reference_run(model.path, ids, steps, reference_dtype(model.spec, dtype),
+                            quantized=(model.spec, fmt) if FORMATS[fmt].quantized else None)
     if consumer == "llama.cpp":
         logits, match = _run_llamacpp(model, file, ids, ref.tokens[:steps])
         name = f"llama.cpp (llama-cpp-python {_version('llama-cpp-python')})"
@@ -178,12 +185,26 @@ def check_gguf(model: Model, file: Path, dtype: str, consumer: str | None = None
         try:
             loaded = _load_transformers_gguf(file)
         except Exception as e:  # noqa: BLE001 - its loader raises many types; all mean "cannot load"
-            raise ExportCheckFailed(f"transformers cannot load the export: {str(e).splitlines()[0]}") from None
+            raise ExportCheckFailed(f"transformers cannot load the export ({str(e).splitlines()[0]}); "
+                                    "nothing was written", hint="pass --no-check to write it anyway, or check "
+                                    f"with llama.cpp ({_INSTALL['llama.cpp']})") from None
         got = run_reference(loaded, ids, steps, feed=ref.tokens)
         logits = got.logits
         match = _hf_tokenizers_match(model.path, file.parent, gguf_file=file.name)
         name = f"transformers {_version('transformers')} (gguf_file=)"
     return _judge("gguf", name, dtype, ids, ref, logits, steps, match)
+
+
+def _linnet_reference(model: Model, ids: list[int], steps: int, fmt: str) -> ReferenceRun:
+    """Linnet's generated PyTorch over `model` in `fmt` (the blocks an export of that format holds):
+    a GGUF model has no transformers checkpoint to be the reference."""
+    from ..compile import load_model
+
+    session, _ = load_model(model, "torch", fmt, cache_len=len(ids) + steps)
+    outs = [session.prefill(ids, logits="all")]
+    for k in range(steps):
+        outs.append(session.decode([outs[-1].tokens[0]], [len(ids) + k], [0], logits=True))
+    return ReferenceRun(np.concatenate([o.logits[0] for o in outs]), [o.tokens[0] for o in outs])
 
 
 def transformers_gguf_gaps(spec) -> list[str]:
@@ -215,41 +236,21 @@ def _load_transformers_gguf(file: Path):
         loader.tqdm = saved
 
 
-@contextmanager
-def _native_stderr_silenced() -> Iterator[None]:
-    """llama.cpp logs from C straight to file descriptor 2; keep it off the export's output."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "wb") as devnull:
-            os.dup2(devnull.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 def _run_llamacpp(model: Model, file: Path, ids: list[int], feed: list[int]) -> tuple[np.ndarray, bool | None]:
-    import torch
-    from llama_cpp import Llama
+    from ..llamacpp_ref import LlamaCppRefused, llamacpp, native_stderr_kept
 
-    n = len(ids) + len(feed)
     try:
-        with _native_stderr_silenced():
-            # A float32 KV cache (llama.cpp's default is f16), so the distance is the export's own.
-            llm = Llama(model_path=str(file), n_ctx=n, n_batch=n, logits_all=True, verbose=False,
-                        n_threads=torch.get_num_threads() or os.cpu_count(), type_k=0, type_v=0, flash_attn=False)
-    except ValueError as e:  # llama-cpp-python's "Failed to load model from file"
-        raise ExportCheckFailed(f"llama.cpp cannot load the export: {e}") from None
-    try:
-        with _native_stderr_silenced():
-            llm.eval(ids + feed)
-        logits = np.array(llm.scores[:n], dtype=np.float32)  # [T + steps, V]
-        try:
-            ours = Tokenizer(model.path).encode(SAMPLE_TEXT, add_special_tokens=False)
-        except CheckpointError:  # no tokenizer in the source: nothing to compare
-            ours = None
-        match = None if ours is None else llm.tokenize(SAMPLE_TEXT.encode(), add_bos=False, special=False) == ours
-    finally:
-        llm.close()
+        with llamacpp(file, len(ids) + len(feed)) as llm:
+            with native_stderr_kept():
+                llm.eval(ids + feed)
+            logits = np.array(llm.scores[:len(ids) + len(feed)], dtype=np.float32)  # [T + steps, V]
+            try:
+                ours = Tokenizer(model.path).encode(SAMPLE_TEXT, add_special_tokens=False)
+            except CheckpointError:  # no tokenizer in the source: nothing to compare
+                ours = None
+            match = None if ours is None else llm.tokenize(SAMPLE_TEXT.encode(), add_bos=False, special=False) == ours
+    except LlamaCppRefused as e:
+        raise ExportCheckFailed(f"{e.message}; nothing was written",
+                                hint="pass --no-check to write it anyway, and report the model: "
+                                     "Linnet should have written what llama.cpp reads") from None
     return logits, match

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..dtypes import normalize_dtype
+from ..dtypes import normalize_format
 from ..errors import UnsupportedModel
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -79,7 +79,8 @@ def require(cfg: dict, *keys: str) -> Any:
 
 
 def read_dtype(cfg: dict) -> str:
-    return normalize_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32") or "float32"
+    """The stored weights' format: a float dtype, or a GGUF source's q8_0 / q4_0 blocks."""
+    return normalize_format(cfg.get("dtype") or cfg.get("torch_dtype") or "float32") or "float32"
 
 
 def read_rope(cfg: dict) -> RopeSpec:

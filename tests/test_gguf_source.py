@@ -1,0 +1,215 @@
+"""A GGUF file as the model: the spec, weights and tokenizer read back from it match the checkpoint
+it was exported from, and every command takes `model.gguf` where it takes a folder."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+import torch
+from family_fixtures import FAMILY_CASES
+from test_cli import assert_one_line_error, invoke
+
+pytest.importorskip("gguf")
+
+from linnet_core.compile import load_model, open_model  # noqa: E402
+from linnet_core.export.gguf_export import export_gguf  # noqa: E402
+from linnet_core.export.gguf_read import read_gguf  # noqa: E402
+from linnet_core.export.roundtrip import SAMPLE_TEXT  # noqa: E402
+from linnet_core.tokenizer import Tokenizer  # noqa: E402
+
+PROMPT = [3, 17, 5, 42, 11, 7, 29, 13]
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def exported(tokenized_checkpoints, tmp_path_factory):
+    """gguf(case, dtype): the fixture exported by Linnet (unchecked: the checks live in test_export_gguf)."""
+    root = tmp_path_factory.mktemp("gguf-source")
+    made = {}
+
+    def get(case: str, dtype: str = "f32"):
+        if (case, dtype) not in made:
+            out = root / f"{case}-{dtype}.gguf"
+            made[case, dtype] = export_gguf(tokenized_checkpoints[case], out, dtype, check=False).out
+        return made[case, dtype]
+
+    return get
+
+
+def greedy(model, dtype: str, backend: str = "torch") -> tuple[list[int], np.ndarray]:
+    """Greedy tokens after PROMPT and the prompt's last logits."""
+    session, _ = load_model(model, backend, dtype, cache_len=32)
+    out = session.prefill(PROMPT, logits="last")
+    tokens = [out.tokens[0]]
+    for i in range(NEW - 1):
+        tokens.append(session.decode([tokens[-1]], [len(PROMPT) + i], [0]).tokens[0])
+    return tokens, np.asarray(out.logits, dtype=np.float32).reshape(-1)
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES)
+def test_the_spec_read_from_a_gguf_is_the_checkpoints(case, exported, tokenized_checkpoints):
+    src, got = open_model(tokenized_checkpoints[case]).spec, open_model(exported(case)).spec
+    assert got.family == src.family and got.dtype == "float32"
+    same = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+            "rope", "tie_word_embeddings", "qk_norm", "qkv_bias", "o_bias", "mlp_bias")
+    assert {k: getattr(got, k) for k in same} == {k: getattr(src, k) for k in same}
+    assert got.rms_norm_eps == pytest.approx(src.rms_norm_eps)
+    # A GGUF declares a sliding window's length as its context (see export.gguf_context_length).
+    assert got.max_position_embeddings == min([src.max_position_embeddings] + [w for w in src.layer_windows if w])
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES)
+def test_a_float32_gguf_decodes_as_its_checkpoint(case, exported, tokenized_checkpoints):
+    want_tokens, want_logits = greedy(tokenized_checkpoints[case], "float32")
+    got_tokens, got_logits = greedy(exported(case), "float32")
+    assert got_tokens == want_tokens
+    np.testing.assert_allclose(got_logits, want_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_quantized_blocks_are_kept_byte_for_byte(fmt, exported, tokenized_checkpoints):
+    """A q8_0 / q4_0 GGUF compiled in its own format computes on its bytes, unchanged: the same
+    steps as the checkpoint quantized by Linnet (identical weights), the q/k rows put back in order."""
+    case = "llama-gqa-untied"  # llama's q/k rows are permuted in the file
+    gguf_model = open_model(exported(case, fmt))
+    assert gguf_model.spec.dtype == fmt
+    ckpt = gguf_model.checkpoint()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    with read_gguf(exported(case, fmt)) as g:
+        assert g.tensors["blk.0.attn_q.weight"].type == fmt.upper()
+    from linnet_core.quant import quantize
+    from linnet_core.weights import Checkpoint
+
+    source = Checkpoint.from_folder(tokenized_checkpoints[case]).get(name).float()
+    assert torch.equal(ckpt.blocks(name, fmt), quantize(source, fmt))  # the file's bytes, rows back in order
+    assert ckpt.blocks(name, "q8_0" if fmt == "q4_0" else "q4_0") is None
+    (got, got_logits), (want, want_logits) = greedy(exported(case, fmt), fmt), greedy(tokenized_checkpoints[case], fmt)
+    assert got == want
+    np.testing.assert_array_equal(got_logits, want_logits)  # identical weights, identical kernels
+
+
+def test_a_float16_gguf_computes_in_its_own_dtype(exported, tokenized_checkpoints):
+    case = "qwen3-headdim128"
+    assert open_model(exported(case, "f16")).spec.dtype == "float16"
+    assert greedy(exported(case, "f16"), "auto")[0] == greedy(tokenized_checkpoints[case], "float16")[0]
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES)
+def test_the_tokenizer_read_from_a_gguf_encodes_as_the_checkpoints(case, exported, tokenized_checkpoints):
+    src, got = Tokenizer(tokenized_checkpoints[case]), Tokenizer(exported(case))
+    for text in (SAMPLE_TEXT, "  two leading spaces", "digits 1234567 and\nnewlines\n\n", ""):
+        assert got.encode(text) == src.encode(text), text
+        assert got.encode(text, add_special_tokens=False) == src.encode(text, add_special_tokens=False), text
+        assert got.decode(got.encode(text)) == src.decode(src.encode(text))
+    assert (got.bos_token, got.eos_token) == (src.bos_token, src.eos_token)
+    assert got.eos_ids == src.eos_ids
+    assert got.chat_template == src.chat_template
+
+
+def test_run_and_compile_take_a_gguf(exported, tokenized_checkpoints):
+    case = "qwen2-bias-tied"
+    args = ("--prompt", "Hello world", "--max-new-tokens", "5", "--temperature", "0", "--json")
+    want = invoke("run", tokenized_checkpoints[case], *args)
+    got = invoke("run", exported(case), *args)
+    assert want.exit_code == 0 and got.exit_code == 0, got.output
+    want, got = json.loads(want.stdout), json.loads(got.stdout)
+    assert (got["tokens"], got["text"], got["prompt_tokens"]) == (want["tokens"], want["text"], want["prompt_tokens"])
+    assert invoke("compile", exported(case), "--backend", "torch", "--dtype", "float32").exit_code == 0
+
+
+def test_a_bad_gguf_is_one_line(tmp_path, exported):
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(exported("qwen3-headdim128").read_bytes()[:4096])
+    assert_one_line_error(invoke("compile", truncated), 1, "cut.gguf")
+    other = tmp_path / "other.txt"
+    other.write_text("not a model")
+    assert_one_line_error(invoke("compile", other), 1, "is a file")
+
+
+def test_an_architecture_linnet_lacks_is_refused_by_name(tmp_path):
+    import gguf
+
+    path = tmp_path / "falcon.gguf"
+    w = gguf.GGUFWriter(str(path), "falcon")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_one_line_error(invoke("compile", path), 1, "GGUF architecture 'falcon' is not supported")
+
+
+needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                     reason="llama-cpp-python is not installed")
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("case,fmt", [("qwen3-headdim128", "f32"), ("llama-gqa-untied", "f32"),
+                                      ("phi3-fused-window", "f32"), ("llama-gqa-untied", "q8_0")])
+def test_verify_of_a_gguf_takes_llama_cpp_on_the_file_as_its_reference(case, fmt, exported):
+    from linnet_core.verify import verify
+
+    dtype = {"f32": "float32", "q8_0": "q8_0"}[fmt]
+    report = verify(exported(case, fmt), "torch", dtype, steps=4, prompt="Hi")  # phi3-fused-window: 8 positions
+    assert report.reference_dtype.startswith("llama.cpp")
+    assert report.passed and report.tokens_match, (report.distance, report.tolerance)
+
+
+@needs_llama_cpp
+def test_verify_cli_on_a_gguf(exported):
+    r = invoke("verify", exported("qwen2-bias-tied"), "--backend", "torch", "--dtype", "float32", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["passed"]
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("case", ["qwen2-bias-tied", "llama-gqa-untied"])
+def test_export_hf_from_a_gguf_is_the_checkpoint_again(case, exported, tokenized_checkpoints, tmp_path):
+    """GGUF -> Hugging Face: checked in transformers against llama.cpp on the file, and it decodes
+    as the checkpoint the GGUF was made from (the q/k rows back in rotate-half order)."""
+    from linnet_core.export.hf_export import export_hf
+
+    result = export_hf(exported(case), tmp_path / "hf")
+    assert result.check.passed and result.check.tokenizer_match is not False
+    assert greedy(tmp_path / "hf", "float32")[0] == greedy(tokenized_checkpoints[case], "float32")[0]
+    assert_one_line_error(invoke("export", "hf", exported(case, "q8_0"), tmp_path / "q"), 1, "float weights")
+
+
+@needs_llama_cpp
+@pytest.mark.slow
+def test_bench_of_a_gguf_puts_linnet_beside_llama_cpp_on_the_file(exported):
+    """llama.cpp runs the very file; transformers, the reference, loads Linnet's export of it."""
+    fast = ["--prompt-tokens", "16", "--new-tokens", "4", "--runs", "1", "--warmups", "0"]
+    r = invoke("bench", exported("qwen3-headdim128", "q8_0"), "--backend", "torch", "--compare", "llama.cpp", *fast,
+               "--json")
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    sides = {s["key"]: s for s in data["sides"]}
+    assert data["dtype"] == "q8_0"
+    assert {k: sides[k]["status"] for k in ("transformers", "linnet:torch", "llama.cpp")} == dict.fromkeys(
+        ("transformers", "linnet:torch", "llama.cpp"), "ok")
+    assert sides["llama.cpp"]["label"] == "llama.cpp on the file"
+    # Both engines round activations to int8 blocks over the very same weights; the reference does not:
+    # a few int8 quanta each at this model's logit scale (verify's int8 bound is 5e-2 x max |logit|).
+    assert sides["linnet:torch"]["distance"] < 0.2 and sides["llama.cpp"]["distance"] < 0.2, sides
+    r = invoke("bench", exported("qwen3-headdim128", "q8_0"), "--dtype", "float32", "--backend", "torch",
+               "--compare", "llama.cpp", *fast, "--json")
+    assert r.exit_code == 0
+    llama = {s["key"]: s for s in json.loads(r.stdout)["sides"]}["llama.cpp"]
+    assert llama["status"] != "ok" and "--dtype q8_0" in llama["reason"]
+
+
+@needs_llama_cpp
+def test_a_gguf_exported_again_in_another_format_loads_in_llama_cpp(exported, tmp_path):
+    """q8_0 -> q4_0 (and f32 -> f16): the vocabulary and tokenizer keys go across as they are,
+    checked in llama.cpp against llama.cpp on the source file."""
+    for source, dtype in ((exported("qwen3-headdim128", "f32"), "f16"), (exported("llama-gqa-untied", "q8_0"), "q4_0")):
+        result = export_gguf(source, tmp_path / f"again-{dtype}.gguf", dtype, consumer="llama.cpp")
+        assert result.check.passed and result.check.tokenizer_match, result.check.describe()
+        with read_gguf(source) as a, read_gguf(result.out) as b:
+            for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id"):
+                assert np.array_equal(np.asarray(a.metadata.get(key)), np.asarray(b.metadata.get(key))), key
