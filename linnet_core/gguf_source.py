@@ -39,17 +39,23 @@ def read_gguf_config(path: Path) -> tuple[dict[str, Any], GGUFFile]:
     try:
         cfg = config_from_gguf(g.metadata, set(g.tensors))
         cfg["dtype"] = storage_format(g)
+        cfg["gguf_weights"] = weight_type(g)
     except Exception:
         g.close()
         raise
     return cfg, g
 
 
+def weight_type(g: GGUFFile) -> str:
+    """The GGUF type most of the file's matrices are stored in ("Q4_K" for a Q4_K_M)."""
+    types = [t.type for n, t in g.tensors.items() if len(t.shape) == 2 and n != "token_embd.weight"]
+    return max(set(types), key=types.count) if types else "F32"
+
+
 def storage_format(g: GGUFFile) -> str:
     """The format `--dtype auto` means for this file: its matrices' own where Linnet computes on it
     (f32, f16, bf16, q8_0, q4_0), bfloat16 for K-quants and the rest (dequantized)."""
-    types = [t.type for n, t in g.tensors.items() if len(t.shape) == 2 and n != "token_embd.weight"]
-    common = max(set(types), key=types.count) if types else "F32"
+    common = weight_type(g)
     if common in FLOAT_TYPES:
         return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[common]
     return BLOCK_FORMATS.get(common, "bfloat16")
