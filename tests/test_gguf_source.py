@@ -250,3 +250,34 @@ def test_a_q4_k_m_file_from_llama_cpps_quantizer_computes_as_llama_cpp(tmp_path)
     assert (model.checkpoint().get(name) - want).abs().max() <= 0.1 * want.abs().max()  # 4 bits: ~1/15 of the range
     report = verify(tmp_path / "q.gguf", "torch", "float32", steps=4, prompt="Hello world")
     assert report.passed, (report.distance, report.tolerance)
+
+
+def test_compiling_a_gguf_in_another_format_says_so_in_one_line(exported):
+    r = invoke("compile", exported("qwen3-headdim128", "q8_0"), "--backend", "torch", "--dtype", "float32")
+    assert r.exit_code == 0, r.stderr
+    assert "the GGUF's Q8_0 weights are converted to float32 (its own format: --dtype q8_0)" in r.stderr
+    r = invoke("compile", exported("qwen3-headdim128", "q8_0"), "--backend", "torch")
+    assert r.exit_code == 0 and "converted" not in r.stderr
+
+
+@pytest.mark.slow
+def test_serve_takes_a_gguf_and_answers_as_the_checkpoint(exported, tokenized_checkpoints):
+    """`linnet serve x.gguf`: the chat template and tokenizer come from the file, the reply is the
+    checkpoint's own greedy reply."""
+    httpx = pytest.importorskip("httpx")
+    from linnet_core.bench.serving import _start_server
+    from linnet_core.runtime.generate import Generation
+
+    case = "qwen2-bias-tied"
+    proc, url = _start_server(str(exported(case)), "torch", "float32", 2, 64)
+    try:
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    finally:
+        proc.kill()
+        proc.wait()
+    assert r.status_code == 200, r.text
+    tok = Tokenizer(tokenized_checkpoints[case])
+    session, _ = load_model(tokenized_checkpoints[case], "torch", "float32", cache_len=64)
+    want = tok.decode(list(Generation(session, tok.apply_chat_template([{"role": "user", "content": "Hello"}]), 6)))
+    assert r.json()["choices"][0]["message"]["content"] == want

@@ -1,0 +1,53 @@
+"""Linnet's decode step against llama.cpp's, interleaved in one process: one step each, in turn.
+
+`linnet bench --sequential` runs each side in its own minutes, and on a shared machine those
+minutes differ; here both engines take turns on the same weights, so the ratio is the engines'.
+
+    python bench/step_ab_llamacpp.py /tmp/qwen3-4b model-bf16.gguf --dtype bf16 --steps 40
+
+The GGUF must hold the same weights (`linnet export gguf MODEL F --dtype D --no-check`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="checkpoint folder (or GGUF) Linnet compiles")
+    ap.add_argument("gguf", help="llama.cpp's GGUF of the same weights")
+    ap.add_argument("--backend", default="torch")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=40)
+    args = ap.parse_args()
+
+    import torch
+    from llama_cpp import Llama
+
+    from linnet_core.compile import load_model
+
+    positions = args.prompt_tokens + args.steps + 1
+    session, compiled = load_model(args.model, args.backend, args.dtype, cache_len=positions)
+    llm = Llama(model_path=args.gguf, n_ctx=positions, n_batch=512, n_threads=torch.get_num_threads(), verbose=False)
+    prompt = [5 + i % 1000 for i in range(args.prompt_tokens)]
+    token = session.prefill(prompt).tokens[0]
+    llm.eval(prompt)
+    linnet, llama = [], []
+    for k in range(args.steps):
+        t = time.perf_counter()
+        token = session.decode([token], [len(prompt) + k], [0]).tokens[0]
+        linnet.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        llm.eval([7])
+        llama.append(time.perf_counter() - t)
+    a, b = statistics.median(linnet), statistics.median(llama)
+    print(f"{compiled.backend} {compiled.dtype}: Linnet {a * 1e3:.1f} ms a step, llama.cpp {b * 1e3:.1f} ms "
+          f"(median of {args.steps}, interleaved): {b / a:.3f}x llama.cpp's speed")
+
+
+if __name__ == "__main__":
+    main()
