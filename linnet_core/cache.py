@@ -2,10 +2,10 @@
 
 Key: model identity (canonical config + a fingerprint of every weight file), backend, dtype,
 cache length, the versions of Linnet and of the backend's toolchain, and a digest of the Linnet
-sources that write artifacts (an edited emitter never meets an entry the old code made). An entry
-is built in a temporary folder and renamed into place, so readers see complete entries or none; a file lock
-per key makes concurrent compiles of one key build once; an entry whose manifest or files do
-not check out is moved aside and rebuilt with a warning. Prepared weights are stored once per
+sources that write artifacts (an edited emitter never meets an entry the old code made). An
+entry is built in a temporary folder and renamed into place, so readers see complete entries or
+none; a file lock per key makes concurrent compiles of one key build once; an entry whose
+manifest or files do not check out is moved aside and rebuilt with a warning. Prepared weights are stored once per
 model, dtype and layout (weight_store) and hard-linked into every entry that uses them.
 """
 

@@ -19,8 +19,6 @@ from .runtime.session import Session
 from .weights import Checkpoint, checkpoint_files
 
 DEFAULT_CACHE_LEN = 2048
-# A GGUF's matrix types Linnet computes on as they are, by the --dtype that keeps them.
-GGUF_KEPT = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "q8_0", "Q4_0": "q4_0"}
 DTYPE_CHOICES = ("auto",) + tuple(FORMATS)
 
 
@@ -134,9 +132,12 @@ def compile_model(model: str | Path | Model | None, backend: str = "torch", dtyp
         if progress:
             progress(f"compiling {key.model} for {be.name} ({dt}, cache {n}); later runs load it from the cache")
             stored = m.config.get("gguf_weights")
-            if stored and GGUF_KEPT.get(stored) != dt:
-                progress(f"the GGUF's {stored} weights are converted to {dt} (its own format: --dtype "
-                         f"{GGUF_KEPT.get(stored, 'bfloat16')})")
+            if stored:
+                from .gguf_source import KEPT
+
+                if KEPT.get(stored) != dt:
+                    own = f" (its own format: --dtype {KEPT[stored]})" if stored in KEPT else ""
+                    progress(f"the GGUF's {stored} weights are converted to {dt}{own}")
         ckpt = m.checkpoint()
         be.compile(build_graph(m.spec), ckpt, dt, n, out, place=cache.placer(key))
 

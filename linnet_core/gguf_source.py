@@ -26,6 +26,8 @@ from .weights import Checkpoint, TensorInfo
 # GGUF types read as they are, as torch dtypes; the block formats Linnet computes on, by GGUF name.
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 BLOCK_FORMATS = {f.gguf.upper(): name for name, f in FORMATS.items() if f.quantized}
+# Every GGUF type Linnet computes on as it is stored, by the --dtype that keeps it.
+KEPT = {f.gguf.upper(): name for name, f in FORMATS.items()}
 K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
@@ -55,10 +57,7 @@ def weight_type(g: GGUFFile) -> str:
 def storage_format(g: GGUFFile) -> str:
     """The format `--dtype auto` means for this file: its matrices' own where Linnet computes on it
     (f32, f16, bf16, q8_0, q4_0), bfloat16 for K-quants and the rest (dequantized)."""
-    common = weight_type(g)
-    if common in FLOAT_TYPES:
-        return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[common]
-    return BLOCK_FORMATS.get(common, "bfloat16")
+    return KEPT.get(weight_type(g), "bfloat16")
 
 
 def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:

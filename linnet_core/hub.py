@@ -46,7 +46,8 @@ def resolve(model: str | os.PathLike | None, revision: str | None = None) -> Res
     if local.is_file() and local.suffix.lower() == ".gguf":
         return ResolvedModel(text, local.resolve())
     if local.exists():
-        raise ModelNotFound(f"'{text}' is a file; a model is a checkpoint folder, a .gguf file, a repo id or a short name")
+        raise ModelNotFound(f"'{text}' is a file; a model is a checkpoint folder, a .gguf file, a repo id or a "
+                            "short name")
     repo_id = SHORT_NAMES.get(text.lower(), text)
     if not _REPO_ID.match(repo_id) or text.startswith((".", "/", "~")):
         raise ModelNotFound(

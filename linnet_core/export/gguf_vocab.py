@@ -131,7 +131,8 @@ def vocab_from_gguf(meta: dict) -> GgufVocab:
         raise UnsupportedModel(f"the GGUF's vocabulary ({model or 'none'}) cannot be written again "
                                "(supported: gpt2, llama)")
     scores = meta.get("tokenizer.ggml.scores")
-    return GgufVocab(model, list(tokens), [int(t) for t in meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))],
-                     scores=None if scores is None else [float(x) for x in scores], pre=meta.get("tokenizer.ggml.pre"),
+    types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))]
+    return GgufVocab(model, list(tokens), types, scores=None if scores is None else [float(x) for x in scores],
+                     pre=meta.get("tokenizer.ggml.pre"),
                      add_space_prefix=meta.get("tokenizer.ggml.add_space_prefix"),
                      merges=list(meta.get("tokenizer.ggml.merges", [])))

@@ -115,7 +115,7 @@ void tile(const float* x, const uint16_t* w, int64_t K, int64_t N, int64_t m0, i
   }
   for (int i = 0; i < RM; ++i)
     for (int j = 0; j < RN; ++j)  // rounded to float16 here, as .to(float16) would (to nearest even)
-      y[(m0 + i) * N + n0 + j] = _cvtss_sh(_mm512_reduce_add_ps(acc[i][j]), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      y[(m0 + i) * N + n0 + j] = F16::round(_mm512_reduce_add_ps(acc[i][j]));
 }
 
 template <int RM>
