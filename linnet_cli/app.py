@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Optional
 
 import typer
@@ -54,4 +55,11 @@ app.add_typer(cache_app, name="cache")
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    finally:
+        # llama-cpp-python opens /dev/null twice at import and never closes it; at exit Python would
+        # print a ResourceWarning about it under the command's output.
+        utils = sys.modules.get("llama_cpp._utils")
+        for name in ("outnull_file", "errnull_file"):
+            getattr(getattr(utils, name, None), "close", lambda: None)()

@@ -79,7 +79,6 @@ def llamacpp(file: Path, positions: int) -> Iterator:
         raise LlamaCppRefused(f"llama.cpp refuses the GGUF: {load_failure_cause(log) or e}") from None
     finally:
         set_verbose(False)
-    llm.verbose = False
     try:
         yield llm
     finally:

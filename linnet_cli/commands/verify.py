@@ -31,13 +31,16 @@ def verify_command(
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Compare a backend with transformers (eager) on the same tokens; exit 3 past the tolerance."""
+    """Compare a backend with transformers (eager) on the same tokens (a .gguf file: with llama.cpp on
+    the file); exit 3 past the tolerance."""
     # The core (and torch) load here, not at CLI start-up, so --help and completion stay fast.
     from linnet_core.quant_effect import QuantEffect
     from linnet_core.verify import verify
 
     sink = Sink(json, quiet)
-    sink.info(f"verifying {model} on {backend.value} ({dtype}) against transformers eager...")
+    gguf = str(model or "").lower().endswith(".gguf")  # a GGUF's reference is llama.cpp on the file
+    sink.info(f"verifying {model} on {backend.value} ({dtype}) against "
+              f"{'llama.cpp on the file' if gguf else 'transformers eager'}...")
     r = verify(model, backend.value, dtype, steps, prompt, cache_len, revision=revision)
     verdict = "[bold green]PASS[/]" if r.passed else "[bold red]FAIL[/]"
     sink.data(
@@ -45,7 +48,8 @@ def verify_command(
         f"(tolerance {r.tolerance:.3g}) · top-1 agreement {r.top1_agreement:.1%} · "
         f"greedy tokens {'identical' if r.tokens_match else 'differ'} · "
         f"{r.prompt_tokens} prompt tokens + {r.steps} steps"
-        + (f" · reference in {r.reference_dtype} (float32 does not fit here)" if r.reference_dtype != "float32" else "")
+        + (f" · reference: {r.reference_dtype}" if r.reference_dtype.startswith("llama.cpp") else
+           f" · reference in {r.reference_dtype} (float32 does not fit here)" if r.reference_dtype != "float32" else "")
         + (f" · activations quantized to {r.activations} by the kernels" if r.activations == "int8" else "")
         + (f"\n  quantization's own effect, {QuantEffect(**r.quantization).describe()}" if r.quantization else ""),
         r.to_json(),
