@@ -26,7 +26,7 @@ PRE_NAMES: dict[str, str | None] = {
     "llama-bpe": PRE_TOKENIZERS["llama-bpe"], "llama3": PRE_TOKENIZERS["llama-bpe"],
     "llama-v3": PRE_TOKENIZERS["llama-bpe"],
 }
-# llama.cpp takes a word whole when it is in the vocabulary, before any merge, for these.
+# llama.cpp takes a word whole when it is in the vocabulary, before any merge, for these (Llama 3's).
 IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
 
 
@@ -79,7 +79,8 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> GgufTokenizer:
             pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
                                      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         tok.decoder = decoders.ByteLevel()
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+        # llama.cpp adds BOS to Llama 3's vocabulary unless the file says otherwise, to others not.
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", pre in IGNORE_MERGES))
     elif kind == "llama":
         scores = [float(s) for s in meta.get("tokenizer.ggml.scores", [0.0] * len(tokens))]
         unk = _special(meta, tokens, "unknown_token_id")

@@ -97,7 +97,7 @@ def test_a_float16_gguf_computes_in_its_own_dtype(exported, tokenized_checkpoint
     assert greedy(exported(case, "f16"), "auto")[0] == greedy(tokenized_checkpoints[case], "float16")[0]
 
 
-@pytest.mark.parametrize("case", FAMILY_CASES)
+@pytest.mark.parametrize("case", FAMILY_CASES + ["llama-llama3-rope"])  # the last: Llama 3's byte-level BPE
 def test_the_tokenizer_read_from_a_gguf_encodes_as_the_checkpoints(case, exported, tokenized_checkpoints):
     src, got = Tokenizer(tokenized_checkpoints[case]), Tokenizer(exported(case))
     for text in (SAMPLE_TEXT, "  two leading spaces", "digits 1234567 and\nnewlines\n\n", ""):

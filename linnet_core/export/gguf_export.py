@@ -23,7 +23,7 @@ from ..models import GgufLayout, build_graph, gguf_layout
 from ..models.spec import ModelSpec
 from ..params import materialize, release_sources
 from ..quant import param_formats, quantize
-from ..tokenizer import read_chat_template
+from ..tokenizer import Tokenizer, read_chat_template
 from ..weights import Checkpoint
 from . import ExportResult, output_file, summarize
 from .gguf_vocab import GgufVocab, read_vocab, vocab_from_gguf
@@ -188,6 +188,9 @@ def _vocab(w, folder: Path, vocab: GgufVocab, gguf) -> None:
         # Without one, transformers' GGUF loader falls back to its config class's default pad id,
         # which can lie outside a smaller vocabulary (32000 for one family) and break the embedding.
         ids["pad"] = ids.get("eos", ids.get("unk"))
+    if "bos" not in special.add_special_token and "bos" in ids:
+        # Said outright: llama.cpp's default differs by vocabulary (a Llama 3 one gets BOS unless told).
+        special.add_special_token["bos"] = Tokenizer(folder).encode("a")[:1] == [ids["bos"]]
     special.add_to_gguf(w, quiet=True)
     template = read_chat_template(folder)
     if template:
