@@ -31,7 +31,7 @@ def _complete_model(incomplete: str) -> list[str]:
 
 
 ModelArg = Annotated[
-    str, typer.Argument(help="Checkpoint folder, Hugging Face repo id, or short name (see README).",
+    str, typer.Argument(help="Checkpoint folder, .gguf file, Hugging Face repo id, or short name (see README).",
                         autocompletion=_complete_model, show_default=False)
 ]
 OptionalModelArg = Annotated[
