@@ -35,8 +35,9 @@ ModelArg = Annotated[
                         autocompletion=_complete_model, show_default=False)
 ]
 OptionalModelArg = Annotated[
-    Optional[str], typer.Argument(help="Checkpoint folder, .gguf file, repo id or short name; default: the embedded model.",
-                                  autocompletion=_complete_model, show_default=False)
+    Optional[str], typer.Argument(
+        help="Checkpoint folder, .gguf file, repo id or short name; default: the embedded model.",
+        autocompletion=_complete_model, show_default=False)
 ]
 BackendOpt = Annotated[BackendName, typer.Option("--backend", "-b", help="Backend to compile for.")]
 DtypeOpt = Annotated[str, typer.Option(
