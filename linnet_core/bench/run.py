@@ -226,7 +226,7 @@ def _prepare(side: Side, m: Model, dtype: str, method: Method, workdir: Path, re
         _read_afresh(c.artifact / WEIGHTS_FILE)
         return {"backend": s.backend}
     if s.key in ("transformers", "transformers-compiled") and m.is_gguf:
-        # transformers reads a GGUF's config only in part (not Qwen3's head_dim): it loads Linnet's export
+        # transformers reads a GGUF's config only in part (not a head_dim apart from hidden / heads): it loads Linnet's export
         from ..export.hf_export import export_hf
 
         out = workdir / "hf-reference"
