@@ -46,7 +46,7 @@ def source_digest() -> str:
     for entry in ARTIFACT_SOURCES:
         path = root / entry
         for f in sorted(path.rglob("*") if path.is_dir() else [path]):
-            if f.suffix in (".py", ".cpp") and "__pycache__" not in f.parts:
+            if f.suffix in (".py", ".cpp", ".h") and "__pycache__" not in f.parts:
                 h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 

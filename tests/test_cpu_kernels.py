@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from linnet_core.backends import decode_kernels
-from linnet_core.backends.cpu_kernels import DecodeLinear, linear_kernel
+from linnet_core.backends.cpu_kernels import DecodeLinear, linear_kernel, pack_linear_weights
 
 
 @pytest.fixture(scope="module")
@@ -253,3 +253,55 @@ def test_float16_linears_run_decode_by_the_gemv_and_prompts_by_the_tiled_gemm(ex
         assert got.dtype == torch.float16 and got.shape == (1, tokens, 700)
         assert torch.equal(got, ext.gemm_f16(prompt, w))
         assert torch.allclose(got.float(), F.linear(prompt.float(), w.float()), atol=2e-3, rtol=1e-3)
+
+
+def test_packed_float16_linears_match_the_unpacked_kernels(ext):
+    """Weights repacked 8 rows interleaved compute what the row-layout kernels compute: decode rows
+    within a float32 rounding of the row kernel's (sums in another order), prompts within float16's
+    rounding of the float32 product, at every tile edge (rows past a block of 8, token rows past a
+    tile of 6)."""
+    from linnet_core.backends.cpu_kernels import PackedHalfLinear
+
+    g = torch.Generator().manual_seed(7)
+    for N, K in ((45, 32), (700, 64), (8, 48)):
+        w, b = torch.randn(N, K, generator=g).half(), torch.randn(N, generator=g).half()
+        packed = ext.repack_f16_rows8(w)
+        assert packed.shape == ((N + 7) // 8, K // 16, 8, 16)
+        kernel = PackedHalfLinear(w, 0)
+        for rows in (1, 2):
+            x = torch.randn(rows, 1, K, generator=g).half()
+            got = ext.packed_half_linear(x, packed, N)
+            assert got.dtype == torch.float16 and got.shape == (rows, 1, N)
+            assert torch.allclose(got.float(), F.linear(x.float(), w.float()), atol=2e-3, rtol=1e-3)
+            assert torch.equal(kernel.eager(x, b), got + b)
+        for tokens in range(3, 14):
+            prompt = torch.randn(1, tokens, K, generator=g).half()
+            got = ext.packed_half_linear(prompt, packed, N)
+            assert got.dtype == torch.float16 and got.shape == (1, tokens, N)
+            assert torch.allclose(got.float(), F.linear(prompt.float(), w.float()), atol=2e-3, rtol=1e-3)
+    with pytest.raises(RuntimeError, match="blocks of another shape"):
+        ext.packed_half_linear(torch.randn(1, 32).half(), ext.repack_f16_rows8(torch.randn(16, 32).half()), 24)
+    with pytest.raises(RuntimeError, match="K % 16 == 0"):
+        ext.repack_f16_rows8(torch.randn(8, 40).half())
+
+
+def test_float16_heads_tied_to_the_token_table_keep_their_layout(ext):
+    """A float16 linear is repacked (its mapped original released); a head that is the token table
+    keeps the table's layout, which the step's gathers read."""
+    from linnet_core.backends.cpu_kernels import HalfLinear, PackedHalfLinear
+
+    g = torch.Generator().manual_seed(8)
+    table, proj = torch.randn(40, 32, generator=g).half(), torch.randn(24, 32, generator=g).half()
+    released = []
+
+    class Mapped(dict):
+        def release(self, name):
+            released.append(name)
+
+    weights = Mapped({"global": {"token_embd.weight": table, "output.weight": table},
+                      "layers": [{"attn_qkv.weight": proj}]})
+    kernels = pack_linear_weights(weights, {"global": ["output.weight"], "block": ["attn_qkv.weight"]})
+    assert isinstance(weights["global"]["output.weight"], HalfLinear)
+    assert weights["global"]["token_embd.weight"] is table
+    assert isinstance(weights["layers"][0]["attn_qkv.weight"], PackedHalfLinear)
+    assert released == ["blk.0.attn_qkv.weight"] and len(kernels) == 2

@@ -1,6 +1,6 @@
 """CPU kernels behind a session's weights: oneDNN pre-packed linear weights, Linnet's own decode
-kernels (16-bit GEMV, attention), its block-quantized linears and token tables, and the kernels of
-the small ops between matmuls (StepKernels).
+kernels (16-bit GEMV, float16 weights repacked for it, attention), its block-quantized linears and
+token tables, and the kernels of the small ops between matmuls (StepKernels).
 
 Decode is a chain of matrix-vector products bound by memory bandwidth. On this machine class
 F.linear (MKL) streams float32 weights at ~21 GB/s, while oneDNN's kernel over weights reordered
@@ -55,7 +55,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 _NO_TENSOR = torch.empty(0)
 _active = threading.local()  # the kernels of the session whose compiled step runs in this thread
 
-NATIVE_NONE, NATIVE_BF16, NATIVE_BLOCKS, NATIVE_TABLE, NATIVE_F16 = 0, 1, 2, 3, 4  # kernels/ops.cpp's kinds
+NATIVE_NONE, NATIVE_BF16, NATIVE_BLOCKS, NATIVE_TABLE, NATIVE_F16, NATIVE_F16_PACKED = 0, 1, 2, 3, 4, 5  # kernels/ops.cpp's kinds
 
 
 class Kernels(list):
@@ -170,6 +170,25 @@ class HalfLinear(DecodeLinear):
         return y if bias is None else y + bias
 
 
+class PackedHalfLinear(CpuLinear):
+    """A float16 weight repacked once, 8 rows interleaved (a copy in 2 MiB pages, the mapped original
+    released): one stream per thread that widens each 16 of x once for 8 rows, ~10% faster decode
+    than the row-at-a-time GEMV at Qwen3-4B's shapes; the same layout's register tiles for prompts."""
+
+    def __init__(self, weight: torch.Tensor, handle: int):
+        super().__init__(weight, handle)
+        self.packed = decode_kernels.extension().repack_f16_rows8(weight)
+
+    def eager(self, x, bias):
+        y = decode_kernels.extension().packed_half_linear(x, self.packed, self.out_features)
+        return y if bias is None else y + bias
+
+    native_kind = NATIVE_F16_PACKED
+
+    def native(self):
+        return self.native_kind, self.packed, 0
+
+
 class QuantLinear(CpuLinear):
     """A weight held as GGUF blocks (q8_0, q4_0), repacked once for Linnet's int8 kernel (the same
     bytes, 8 rows interleaved: a copy, the mapped original released); never a float copy."""
@@ -227,6 +246,8 @@ def pack_linear_weights(weights: dict, names: dict[str, list[str]], pack: bool =
     groups = [(weights["global"], names["global"], "")]
     groups += [(layer, names["block"], f"blk.{i}.") for i, layer in enumerate(weights["layers"])]
     for group, linear_names, prefix in groups:
+        # a head tied to the token table keeps its layout: the table's gathers read the same bytes
+        tables = {t.data_ptr() for n, t in group.items() if n not in linear_names and isinstance(t, torch.Tensor)}
         for name in group:
             fmt = format_of(prefix + name)
             if fmt is not None:
@@ -235,8 +256,10 @@ def pack_linear_weights(weights: dict, names: dict[str, list[str]], pack: bool =
                 if wrap is QuantLinear:
                     release(prefix + name)
             elif name in linear_names and kind is not None:
-                group[name] = kind(group[name], len(kernels))
-                if kind is PackedLinear:
+                w = group[name]
+                wrap = PackedHalfLinear if kind is HalfLinear and w.shape[-1] % 16 == 0 and w.data_ptr() not in tables else kind
+                group[name] = wrap(w, len(kernels))
+                if wrap in (PackedLinear, PackedHalfLinear):
                     release(prefix + name)
             else:
                 continue

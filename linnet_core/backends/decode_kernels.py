@@ -10,6 +10,10 @@
   memory's speed (`bench/quant_gemv.py`), and prompts run 2.7x faster than float32 F.linear.
 - `gemm_f16`: float16 prompts in register tiles, the weights widened in registers as llama.cpp's
   tinyBLAS does (2x MKL's float32 GEMM over widened copies, ~7x PyTorch's CPU float16 GEMM).
+- `repack_f16_rows8`, `packed_half_linear`: float16 weights copied once at load 8 rows interleaved,
+  decode's GEMV widening x once for 8 rows in one stream (~16% faster than the row kernel at
+  Qwen3-4B's shapes) and the prompt tiles over the same layout; a head tied to the token table
+  keeps the row layout and the kernels above.
 - `ops.cpp`: the kernels as C++ operators (`torch.ops.linnet_kernels.*`) for compiled steps, and
   `half_linear`, float16's choice between the GEMV and the GEMM.
 - `decode_attention`: one-token queries over the KV cache in place (float32, float16, bfloat16),
@@ -40,6 +44,7 @@ from ..quant import dequantize, int8_blocks, quantize
 
 SOURCES = [Path(__file__).parent / "kernels" / f for f in (
     "gemv.cpp", "quant_linear.cpp", "huge_pages.cpp", "decode_attention.cpp", "step_ops.cpp", "ops.cpp", "bindings.cpp")]
+HEADERS = [Path(__file__).parent / "kernels" / "simd.h"]  # in the build key: the sources include them
 MAX_ROWS = 2  # token rows the kernel takes: decode steps of one or two sequences
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "avx512_vnni")
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
@@ -130,8 +135,11 @@ def _self_check(ext) -> str | None:
     wh = torch.randn(50, 80, generator=g).half()  # K % 32 == 16: the GEMV's last step; 50 % 6: a short tile
     for rows in (1, 2, 7):
         xh = torch.randn(rows, 80, generator=g).half()
-        if not torch.allclose(ext.half_linear(xh, wh).float(), F.linear(xh.float(), wh.float()), atol=5e-2, rtol=5e-3):
+        want = F.linear(xh.float(), wh.float())
+        if not torch.allclose(ext.half_linear(xh, wh).float(), want, atol=5e-2, rtol=5e-3):
             return "its float16 linear disagreed with F.linear"
+        if not torch.allclose(ext.packed_half_linear(xh, ext.repack_f16_rows8(wh), 50).float(), want, atol=5e-2, rtol=5e-3):
+            return "its packed float16 linear disagreed with F.linear"
     for fmt in QUANT_CODES:
         for rows in (1, 3, 5, 11):  # token rows in and past one register pass; 43 rows: a padded group
             x, wq = torch.randn(rows, 96, generator=g), quantize(torch.randn(43, 96, generator=g), fmt)
@@ -201,7 +209,7 @@ class KernelBuildNotice(UserWarning):
 def _key() -> str:
     """The source, this PyTorch and where it lies: torch's builder rebuilds for another install's
     headers, so two virtual environments sharing one folder would rebuild each other's."""
-    sources = b"".join(path.read_bytes() for path in SOURCES)
+    sources = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     build = f"{torch.__version__}:{torch.__file__}:{' '.join(CFLAGS)}"
     return hashlib.sha256(sources + build.encode()).hexdigest()[:16]
 

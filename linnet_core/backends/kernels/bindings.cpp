@@ -5,6 +5,8 @@ torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor gemv_f16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor gemm_f16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& w);
+torch::Tensor repack_f16_rows8(const torch::Tensor& w);
+torch::Tensor packed_half_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N);
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                int64_t layer, const torch::Tensor& slots, const torch::Tensor& pos, int64_t window,
@@ -28,6 +30,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_f16", &gemm_f16, "f16 x [..., K] @ w [N, K].T, register tiles widening w, float32 inside");
   m.def("bf16_linear", &bf16_linear, "bf16 x [..., K] @ w [N, K].T: the GEMV for 1-2 rows, F.linear otherwise");
   m.def("half_linear", &half_linear, "f16 x [..., K] @ w [N, K].T: the GEMV for 1-2 rows, the tiled GEMM for prompts");
+  m.def("repack_f16_rows8", &repack_f16_rows8, "f16 w [N, K] -> [ceil(N/8), K/16, 8, 16]: 8 rows interleaved (a copy)");
+  m.def("packed_half_linear", &packed_half_linear, "f16 x [..., K] @ W.T, W [N, K] from repack_f16_rows8: N given");
   m.def("quant_linear", &quant_linear, "float32 x [..., K] @ W.T, W [N, K] as q8_0 (0) / q4_0 (1) blocks from repack_rows8");
   m.def("repack_rows8", &repack_rows8, "GGUF q8_0 (0) / q4_0 (1) blocks [N, K/32*bb] -> 8 rows interleaved per block");
   m.def("huge_page_zeros", &huge_page_zeros, "zeros in 2 MiB pages, as repacked weights are held");

@@ -14,6 +14,7 @@
 torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor gemv_f16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor gemm_f16(const torch::Tensor& x, const torch::Tensor& w);
+torch::Tensor packed_half_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N);
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t out_features);
 torch::Tensor dequant_rows(const torch::Tensor& blocks, const torch::Tensor& ids, int64_t fmt);
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -22,12 +23,12 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 
 namespace {
 
-// NONE: a kernel of the Python side (oneDNN's); TABLE: a token table's plain blocks
-enum Kind : int64_t { NONE = 0, BF16 = 1, BLOCKS = 2, TABLE = 3, F16 = 4 };
+// NONE: a kernel of the Python side (oneDNN's); TABLE: a token table's plain blocks; F16_PACKED: from repack_f16_rows8
+enum Kind : int64_t { NONE = 0, BF16 = 1, BLOCKS = 2, TABLE = 3, F16 = 4, F16_PACKED = 5 };
 
 struct Kernel {
   int64_t kind;
-  torch::Tensor weight;  // bf16 [N, K], blocks from repack_rows8, or a table's blocks as stored
+  torch::Tensor weight;  // bf16 / f16 [N, K], blocks from repack_rows8 or repack_f16_rows8, or a table's blocks as stored
   int64_t fmt;           // BLOCKS: quant_linear's format code
 };
 
@@ -65,10 +66,12 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w) {
 namespace {
 
 torch::Tensor linear(const torch::Tensor& x, int64_t handle, int64_t out_features, const c10::optional<torch::Tensor>& bias) {
-  const Kernel& k = kernel(handle, {BLOCKS, BF16, F16});
+  const Kernel& k = kernel(handle, {BLOCKS, BF16, F16, F16_PACKED});
   torch::Tensor y;
   if (k.kind == BLOCKS) {
     y = quant_linear(x, k.weight, k.fmt, out_features);
+  } else if (k.kind == F16_PACKED) {
+    y = packed_half_linear(x, k.weight, out_features);
   } else if (k.kind == F16) {
     y = half_linear(x, k.weight);
   } else {

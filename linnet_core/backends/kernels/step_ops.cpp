@@ -7,19 +7,29 @@
 // order of RMSNorm's float32 sum).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include "simd.h"
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
+
+using linnet::from_f32;
+using linnet::load16;
+using linnet::rounded;
+using linnet::store16;
+using linnet::to_f32;
 
 template <typename T>
 inline T* ptr(const torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 
 // x as T holds it, in float32: what an ATen op on T tensors writes.
 template <typename T>
-inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
+inline float round_to(float x) { return to_f32(from_f32<T>(x)); }
 
 // Where row i of x [..., D] begins, for any strides of the leading axes: a view of a fused
 // projection's output (q split from one [.., 4096] row, as heads) reads in place.
@@ -43,28 +53,33 @@ Rows rows_of(const torch::Tensor& x) {
 
 constexpr int LANES = 16;  // partial sums per row: one AVX-512 register, as ATen's vectorized sum
 
+// Lane l sums the squares of x[j] for j = l mod 16 in order, and the lanes are added 0..15: the
+// order the scalar loop of an earlier version kept, so the vector loop rounds as it did.
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, const Rows& r, float eps) {
   at::parallel_for(0, r.n, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
       const T* xi = x + r.offset(i);
       T* oi = out + i * r.d;
-      float lanes[LANES] = {};
+      __m512 squares = _mm512_setzero_ps();
       int64_t j = 0;
-      for (; j + LANES <= r.d; j += LANES)
-        for (int l = 0; l < LANES; ++l) {
-          const float v = static_cast<float>(xi[j + l]);
-          lanes[l] += v * v;
-        }
+      for (; j + LANES <= r.d; j += LANES) {
+        const __m512 v = load16(xi + j);
+        squares = _mm512_add_ps(squares, _mm512_mul_ps(v, v));
+      }
+      float lanes[LANES];
+      _mm512_storeu_ps(lanes, squares);
       for (; j < r.d; ++j) {
-        const float v = static_cast<float>(xi[j]);
+        const float v = to_f32(xi[j]);
         lanes[j % LANES] += v * v;
       }
       float sum = 0.f;
       for (int l = 0; l < LANES; ++l) sum += lanes[l];
       const float scale = 1.f / std::sqrt(sum / static_cast<float>(r.d) + eps);
-      for (j = 0; j < r.d; ++j)  // (x * scale) as T, times the weight in T
-        oi[j] = static_cast<T>(static_cast<float>(w[j]) * round_to<T>(static_cast<float>(xi[j]) * scale));
+      const __m512 scales = _mm512_set1_ps(scale);
+      for (j = 0; j + LANES <= r.d; j += LANES)  // (x * scale) as T, times the weight in T
+        store16(oi + j, _mm512_mul_ps(load16(w + j), rounded(_mm512_mul_ps(load16(xi + j), scales), xi)));
+      for (; j < r.d; ++j) oi[j] = from_f32<T>(to_f32(w[j]) * round_to<T>(to_f32(xi[j]) * scale));
     }
   });
 }
@@ -98,10 +113,17 @@ namespace {
 // product rounded to T, as the ATen ops round.
 template <typename T>
 inline void rotate(const T* xi, const T* c, const T* s, T* oi, int64_t j0, int64_t j1, int64_t shift, float sign) {
-  for (int64_t j = j0; j < j1; ++j) {
-    const float a = round_to<T>(static_cast<float>(xi[j]) * static_cast<float>(c[j]));
-    const float b = round_to<T>(sign * static_cast<float>(xi[j + shift]) * static_cast<float>(s[j]));
-    oi[j] = static_cast<T>(a + b);
+  int64_t j = j0;
+  const __m512 signs = _mm512_set1_ps(sign);
+  for (; j + 16 <= j1; j += 16) {
+    const __m512 a = rounded(_mm512_mul_ps(load16(xi + j), load16(c + j)), xi);
+    const __m512 b = rounded(_mm512_mul_ps(_mm512_mul_ps(signs, load16(xi + j + shift)), load16(s + j)), xi);
+    store16(oi + j, _mm512_add_ps(a, b));
+  }
+  for (; j < j1; ++j) {
+    const float a = round_to<T>(to_f32(xi[j]) * to_f32(c[j]));
+    const float b = round_to<T>(sign * to_f32(xi[j + shift]) * to_f32(s[j]));
+    oi[j] = from_f32<T>(a + b);
   }
 }
 
@@ -198,17 +220,35 @@ void write_cache(const torch::Tensor& k, const torch::Tensor& v, const torch::Te
 
 namespace {
 
+// Two passes: the largest value (or whether there is a NaN: ATen's argmax takes the first NaN as the
+// largest), then the first element holding it, 16 at a time.
 template <typename T>
 int64_t argmax_row(const T* x, int64_t n) {
-  int64_t best = 0;
-  float top = static_cast<float>(x[0]);
-  if (std::isnan(top)) return 0;
-  for (int64_t i = 1; i < n; ++i) {
-    const float v = static_cast<float>(x[i]);
-    if (std::isnan(v)) return i;  // ATen's argmax takes NaN as the largest, the first one
-    if (v > top) top = v, best = i;
+  bool nan = false;
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 16 <= n && !nan; i += 16) {
+    const __m512 v = load16(x + i);
+    nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+    top = _mm512_max_ps(top, v);
   }
-  return best;
+  float best = _mm512_reduce_max_ps(top);
+  for (; i < n && !nan; ++i) {
+    const float v = to_f32(x[i]);
+    nan = std::isnan(v);
+    best = std::max(best, v);
+  }
+  const __m512 wanted = _mm512_set1_ps(best);
+  for (i = 0; i + 16 <= n; i += 16) {
+    const __m512 v = load16(x + i);
+    const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, wanted, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  for (; i < n; ++i) {
+    const float v = to_f32(x[i]);
+    if (nan ? std::isnan(v) : v == best) return i;
+  }
+  return 0;
 }
 
 }  // namespace
