@@ -1,8 +1,9 @@
 """How fast Linnet's 16-bit kernels stream weights, beside a plain read of the same memory and
-PyTorch's own kernels, at the 191M Qwen3's decode-step shapes (8 layers and the output head).
+PyTorch's own kernels, at the 191M Qwen3's decode-step shapes (8 layers and the output head) or
+Qwen3-4B's (4 layers).
 
     python bench/half_gemv.py                 # medians of 20, 2 threads, a table
-    python bench/half_gemv.py --json out.json
+    python bench/half_gemv.py --shapes 4b --json out.json
 
 Decode at batch 1 reads every weight once per token, so a kernel's bytes per second over weights
 larger than the L3 (322 MB here) bounds tokens per second. The weights lie in 2 MiB pages, as a
@@ -20,15 +21,18 @@ import torch.nn.functional as F
 from linnet_core.backends import decode_kernels
 from timing import median_seconds  # bench/timing.py, beside this script
 
-LAYER = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]  # qkv, o, gate+up, down: [N, K]
-SHAPES = LAYER * 8 + [(32000, 1024)]
+LAYERS = {  # qkv, o, gate+up, down: [N, K]
+    "191m": [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)],
+    "4b": [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)],
+}
+SHAPES = {"191m": LAYERS["191m"] * 8 + [(32000, 1024)], "4b": LAYERS["4b"] * 4}
 
 
-def weights(dtype: torch.dtype, g: torch.Generator, ext) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Every matrix of SHAPES, random, in one buffer of 2 MiB pages (as a session maps the artifact's)."""
-    flat = ext.huge_page_zeros([sum(n * k for n, k in SHAPES)], dtype)
+def weights(shapes: list, dtype: torch.dtype, g: torch.Generator, ext) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Every matrix of `shapes`, random, in one buffer of 2 MiB pages (as a session maps the artifact's)."""
+    flat = ext.huge_page_zeros([sum(n * k for n, k in shapes)], dtype)
     out, at = [], 0
-    for n, k in SHAPES:
+    for n, k in shapes:
         w = flat[at:at + n * k].view(n, k)
         w.copy_(torch.randn(n, k, generator=g))
         out.append(w)
@@ -38,6 +42,7 @@ def weights(dtype: torch.dtype, g: torch.Generator, ext) -> tuple[torch.Tensor, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="191m")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write the figures here too")
@@ -48,21 +53,28 @@ def main() -> None:
         raise SystemExit(f"Linnet's CPU kernels do not run here: {decode_kernels.why_not()}")
     g = torch.Generator().manual_seed(0)
     rows: dict[str, float] = {}
+    shapes, layer = SHAPES[args.shapes], LAYERS[args.shapes]
     for dtype, name, gemv in ((torch.bfloat16, "bf16", ext.gemv_bf16), (torch.float16, "f16", ext.gemv_f16)):
-        flat, ws = weights(dtype, g, ext)
+        flat, ws = weights(shapes, dtype, g, ext)
         nbytes = flat.numel() * 2
         if not rows:  # the same bytes read as float32
             rows["plain read (torch.sum)"] = nbytes / median_seconds(flat.view(torch.float32).sum, args.runs) / 1e9
+        kernels = [(f"Linnet's {name} GEMV", gemv), (f"F.linear {name}", F.linear)]
+        if dtype == torch.float16:  # the layout sessions hold float16 linears in (cpu_kernels.PackedHalfLinear)
+            packed = {id(w): ext.repack_f16_rows8(w) for w in ws}
+            kernels.insert(0, (f"Linnet's packed {name} GEMV", lambda x, w: ext.packed_half_linear(x, packed[id(w)], w.shape[0])))
         for m in (1, 2):
-            xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in {k for _, k in SHAPES}}
-            for label, fn in ((f"Linnet's {name} GEMV", gemv), (f"F.linear {name}", F.linear)):
+            xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in {k for _, k in shapes}}
+            for label, fn in kernels:
                 t = median_seconds(lambda: [fn(xs[w.shape[1]], w) for w in ws], args.runs)
                 rows[f"{label}, {m} token row(s)"] = nbytes / t / 1e9
         if dtype == torch.float16:  # prompts: Linnet's tiles against MKL over widened copies
-            layers = ws[:len(LAYER) * 8]
-            xs = {k: torch.randn(128, k, generator=g).half() for k in {k for _, k in LAYER}}
+            layers = ws[:len(layer) * (len(shapes) // len(layer))]
+            xs = {k: torch.randn(128, k, generator=g).half() for k in {k for _, k in layer}}
             flops = sum(2 * 128 * w.numel() for w in layers)
             runs = max(3, args.runs // 4)
+            t = median_seconds(lambda: [ext.packed_half_linear(xs[w.shape[1]], packed[id(w)], w.shape[0]) for w in layers], runs)
+            rows["Linnet's packed f16 GEMM, 128-token prompt (GFLOP/s)"] = flops / t / 1e9
             t = median_seconds(lambda: [ext.gemm_f16(xs[w.shape[1]], w) for w in layers], runs)
             rows["Linnet's f16 GEMM, 128-token prompt (GFLOP/s)"] = flops / t / 1e9
             t = median_seconds(lambda: [F.linear(xs[w.shape[1]].float(), w.float()) for w in layers], runs)
@@ -72,7 +84,7 @@ def main() -> None:
         print(f"{name:60s} {value:8.1f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": args.threads, "runs": args.runs, "shapes": SHAPES, "figures": rows}, f, indent=1)
+            json.dump({"threads": args.threads, "runs": args.runs, "shapes": shapes, "figures": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

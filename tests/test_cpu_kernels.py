@@ -131,6 +131,21 @@ def test_argmax_picks_as_aten_does(ext, dtype):
     assert torch.equal(ext.argmax(logits[:, None, 5:]), logits[:, None, 5:].argmax(dim=-1))  # a view, 3-d
 
 
+@pytest.mark.parametrize("dtype", SMALL_OP_DTYPES)
+def test_silu_computes_as_aten_does(ext, dtype):
+    """16-bit: F.silu's values (float32 inside, one rounding) over the gate half of a fused row read in
+    place, a ragged tail and the edges (overflow, underflow, infinities, NaN); float32: F.silu itself."""
+    g = torch.Generator().manual_seed(2)
+    gate_up = (torch.randn(2, 3, 2 * 1000 + 2, generator=g) * 6).to(dtype)
+    gate = gate_up[..., :1001]  # 1001 % 16 != 0: the scalar tail too
+    edges = torch.tensor([-1e4, -200.0, -88.0, -20.0, -0.0, 0.0, 1e-30, 20.0, 88.0, 1e4,
+                          float("inf"), -float("inf"), float("nan")] * 2).to(dtype)
+    for x in (gate, edges):
+        got = ext.silu(x)
+        torch.testing.assert_close(got, F.silu(x), rtol=0, atol=0, equal_nan=True)
+        assert got.is_contiguous()
+
+
 def test_step_kernels_take_the_generic_ops_where_they_do_not_apply(ext):
     """A weight in another dtype, float64, strided caches: the helpers' ATen ops; a position past the
     cache is an error, as the indexed write's."""

@@ -80,7 +80,7 @@ def reference_attention(q, k_cache, v_cache, layer: int, slots, pos, window: int
 
 
 def generic(helper: str):
-    """The generated module's helper `helper` (attend, rms_norm, apply_rope, write_cache, argmax), as every
+    """The generated module's helper `helper` (attend, rms_norm, apply_rope, write_cache, argmax, silu), as every
     emitted step has it: what each kernel standing in for it must compute."""
     return _prelude()[helper]
 
@@ -96,7 +96,8 @@ def _prelude() -> dict:
 
 def _small_ops_disagree(ext) -> str | None:
     """Which of the step's small-op kernels computes otherwise than its helper, or None: rope, the
-    cache write and argmax exactly, RMSNorm within a float32 rounding of its sum (another summation order)."""
+    cache write and argmax exactly, RMSNorm within a float32 rounding of its sum (another summation
+    order), silu within one 16-bit rounding (its exponential is a polynomial, ATen's Sleef's)."""
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         qkv = torch.randn(2, 3, 160, generator=g).to(dtype)
@@ -116,6 +117,9 @@ def _small_ops_disagree(ext) -> str | None:
         ext.write_cache(k, v, pos, rows, caches[2], caches[3], 1)
         if not (torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])):
             return "the cache write"
+        gate = qkv[..., :40]  # a strided view, as the gate half of a fused projection
+        if not torch.allclose(ext.silu(gate).float(), generic("silu")(gate).float(), rtol=1e-2, atol=1e-6):
+            return "silu"
         logits = torch.randn(3, 50, generator=g).to(dtype)
         logits[1, 7] = logits[1, 30] = logits[1].max() + 1  # a tie: the first
         logits[2, 9] = float("nan")

@@ -66,6 +66,13 @@ def apply_rope(x, cos, sin, kernels=None):
     return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
 
 
+def silu(x, kernels=None):
+    """x * sigmoid(x), computed in float32 and rounded once to x's dtype."""
+    if kernels is not None and kernels.silu is not None:
+        return kernels.silu(x)
+    return F.silu(x)
+
+
 def argmax(x, kernels=None):
     """The index of the largest of x [..., V] along V (the first on ties)."""
     if kernels is not None and kernels.argmax is not None:
@@ -150,11 +157,11 @@ TEMPLATES: dict[str, str] = {
     "embedding": "{out} = embedding({a}, {b})",
     "rms_norm": "{out} = rms_norm({a}, {b}, {eps}, kernels)",
     "linear": "{out} = linear({args})",
-    "split": "{out} = {a}.split({sizes}, dim=-1)",
+    "split": "{out} = {a}.split_with_sizes({sizes}, dim=-1)",  # no Python wrapper: Tensor.split costs ~3 us more a call
     "reshape": "{out} = {a}.reshape({shape})",
     "rope": "{out} = apply_rope({args}, kernels)",
     "attention": "{out} = attention({args}, kv_len, k_cache, v_cache, i, {window}, {scale}, kernels)",
-    "silu": "{out} = F.silu({a})",
+    "silu": "{out} = silu({a}, kernels)",
     "gelu": "{out} = F.gelu({a}, approximate={approximate})",
     "mul": "{out} = {a} * {b}",
     "add": "{out} = {a} + {b}",

@@ -18,6 +18,7 @@ torch::Tensor dequant_rows(const torch::Tensor& blocks, const torch::Tensor& ids
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor argmax(const torch::Tensor& x);
+torch::Tensor silu(const torch::Tensor& x);
 void write_cache(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& pos, const torch::Tensor& rows,
                  torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t layer);
 int64_t register_kernels(const std::vector<std::tuple<int64_t, torch::Tensor, int64_t>>& kernels);
@@ -42,6 +43,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one-token queries [B, H, D] over the KV cache in place");
   m.def("rms_norm", &rms_norm, "x [..., D] / rms(x) * weight [D], the statistics in float32");
   m.def("rope", &rope, "rotate-half rope of x [B, T, H, D] by cos, sin [B, T, rot]");
+  m.def("silu", &silu, "x * sigmoid(x) of x [..., D], float32 inside, rounded once");
   m.def("argmax", &argmax, "x [..., V] -> int64 [...]: the first index of the largest (or of a NaN)");
   m.def("write_cache", &write_cache, "k, v [B, T, KV, D] into caches [L, rows, KV, S, D] at rows, positions [B, T]");
 }

@@ -15,24 +15,11 @@
 
 namespace {
 
+using linnet::exp16;
 using linnet::load16;
 using linnet::rounded;
 using linnet::store16;
 using linnet::tail;
-
-// e^x for x <= 0 (scores less their maximum), 16 at once where std::exp takes one: 2^n * p(r) with
-// r = x - n ln2 in [-ln2/2, ln2/2] and p of degree 7 (relative error ~1e-8, under a float32 ulp);
-// below -104 the result is 0, as expf's underflow; NaN stays NaN.
-inline __m512 exp16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts: n * hi is exact
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.f), _CMP_NLT_UQ);
-  return _mm512_maskz_mov_ps(kept, _mm512_scalef_ps(p, n));
-}
 
 // GB query heads (qf [GB, D], scaled) over n keys and values [n, D] -> out [GB, D] in T. Each key
 // and value is loaded once for the GB heads, whose dot products and weighted sums stay in registers
