@@ -168,8 +168,8 @@ torch::Tensor gemm_f16(const torch::Tensor& x, const torch::Tensor& w) {
 // float16 weights repacked once at load for the kernels below: w [N, K] -> [ceil(N / 8), K / 16, 8, 16],
 // 8 rows interleaved 16 weights at a time (rows past N are zeros). One pass reads 8 rows as one
 // stream and widens each 16 of x once for all 8, where the row-at-a-time GEMV above widens x once
-// per row: ~10% more of the memory roofline at Qwen3-4B's shapes (bench/half_gemv.py), as fast as
-// a plain read. Reading 8 rows of the unpacked layout at once instead (8 streams) ran ~20% slower.
+// per row: +16% at Qwen3-4B's shapes (bench/half_gemv.py --shapes 4b), a plain read's speed.
+// Several rows of the unpacked layout at once (several streams, as tinyBLAS) ran 12-50% slower.
 torch::Tensor huge_page_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
 
 namespace {
@@ -260,6 +260,7 @@ torch::Tensor packed_half_linear(const torch::Tensor& x, const torch::Tensor& pa
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y.view(sizes);
   const auto* wp = static_cast<const uint16_t*>(packed.data_ptr());
   auto* yp = static_cast<uint16_t*>(y.data_ptr());
   if (M <= 2) {  // decode: each thread streams its share of the blocks once
