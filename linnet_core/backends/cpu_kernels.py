@@ -294,6 +294,10 @@ class StepKernels:
     write_cache: Optional[Callable] = None
     argmax: Optional[Callable] = None  # ATen's reads 16-bit logits one at a time
     silu: Optional[Callable] = None  # ATen's 16-bit silu: 8-9 us for Qwen3-4B's 9728 values, this one ~5
+    # the emitted step's fused groups (torch_emit.fuse_groups): one call where the lines are 2-15
+    silu_mul: Optional[Callable] = None
+    add_rms_norm: Optional[Callable] = None
+    attention_block: Optional[Callable] = None  # decode steps: needs decode_attention
 
 
 def add_step_kernels(weights: dict, dtype: torch.dtype, head_dim: int, eager: bool) -> StepKernels | None:
@@ -305,7 +309,9 @@ def add_step_kernels(weights: dict, dtype: torch.dtype, head_dim: int, eager: bo
         return None
     attention = DecodeAttention(ext) if decode_kernels.attention_fits(dtype, head_dim) else None
     small = dict(rms_norm=ext.rms_norm, rope=ext.rope, write_cache=ext.write_cache, argmax=ext.argmax,
-                 silu=ext.silu) if eager else {}
+                 silu=ext.silu, silu_mul=ext.silu_mul, add_rms_norm=ext.add_rms_norm) if eager else {}
+    if eager and attention is not None:
+        small["attention_block"] = ext.attention_block
     if attention is None and not small:
         return None
     kernels = StepKernels(decode_attention=attention, **small)

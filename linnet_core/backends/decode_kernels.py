@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from ..quant import dequantize, int8_blocks, quantize
 
 SOURCES = [Path(__file__).parent / "kernels" / f for f in (
-    "gemv.cpp", "quant_linear.cpp", "huge_pages.cpp", "decode_attention.cpp", "step_ops.cpp", "ops.cpp", "bindings.cpp")]
+    "gemv.cpp", "quant_linear.cpp", "huge_pages.cpp", "decode_attention.cpp", "step_ops.cpp", "attention_block.cpp", "ops.cpp",
+    "bindings.cpp")]
 HEADERS = [Path(__file__).parent / "kernels" / "simd.h"]  # in the build key: the sources include them
 MAX_ROWS = 2  # token rows the kernel takes: decode steps of one or two sequences
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16", "avx512_vnni")

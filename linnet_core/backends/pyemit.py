@@ -11,6 +11,7 @@ a template fails at emit time, naming it. Output is deterministic (golden copies
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from .. import __version__
 from ..errors import IRError
@@ -33,6 +34,33 @@ class Dialect:
     loop: str  # the layer loop's header
     returns: str  # the step's last line
     ragged: bool = False  # the step form it renders
+    groups: Callable[[Graph], list] | None = None  # the block's nodes and Groups, where some render as one call
+
+
+@dataclass(frozen=True)
+class Raw:
+    """A name of the step function itself (k_cache, the loop's i), rendered as it is."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Ref:
+    """An IR value or weight, rendered as the step refers to it."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Group:
+    """Consecutive-in-effect nodes of the block that one helper call computes (what each node's line
+    computes, in one call where a kernel serves them): `outputs = helper(*args, kernels)`. Args are
+    Refs, Raws or attribute values."""
+
+    nodes: tuple[Node, ...]
+    outputs: tuple[str, ...]  # the values used after the group
+    helper: str
+    args: tuple[Any, ...]
 
 
 class _Ctx:
@@ -77,11 +105,21 @@ def render_node(n: Node, d: Dialect) -> str:
     return _render(n, _Ctx(None, True), d)
 
 
-def _lines(nodes: list[Node], g: Graph, ctx: _Ctx, d: Dialect, indent: str) -> list[str]:
+def _render_group(gr: Group, ctx: _Ctx) -> str:
+    args = [ctx.ref(a.name) if isinstance(a, Ref) else a.text if isinstance(a, Raw) else ctx.attr(a) for a in gr.args]
+    return f"{', '.join(gr.outputs)} = {gr.helper}({', '.join(args + ['kernels'])})"
+
+
+def _lines(nodes: list, g: Graph, ctx: _Ctx, d: Dialect, indent: str) -> list[str]:
     out = []
     for n in nodes:
         shapes = "; ".join(_shape(g.values[o].shape) for o in n.outputs)
-        out.append(f"{indent}{_render(n, ctx, d)}  # {shapes}")
+        if isinstance(n, Group):
+            ops = [m.op for m in n.nodes]
+            counted = ", ".join(op if ops.count(op) == 1 else f"{op} x{ops.count(op)}" for op in dict.fromkeys(ops))
+            out.append(f"{indent}{_render_group(n, ctx)}  # {shapes}: {counted}")
+        else:
+            out.append(f"{indent}{_render(n, ctx, d)}  # {shapes}")
     return out
 
 
@@ -117,7 +155,7 @@ def emit_module(g: Graph, d: Dialect) -> str:
     body += [f"    {line}" for line in d.setup]
     body += _lines(g.prologue, g, _Ctx(g, False), d, "    ")
     body.append(f"    {d.loop}")
-    body += _lines(g.block.nodes, g, _Ctx(g, True), d, "        ")
+    body += _lines(d.groups(g) if d.groups else g.block.nodes, g, _Ctx(g, True), d, "        ")
     body.append(f"        {g.block.carry} = {g.block.result}")
     body += _lines(g.epilogue, g, _Ctx(g, False), d, "    ")
     body.append(f"    {d.returns.format(outputs=', '.join(g.outputs))}")

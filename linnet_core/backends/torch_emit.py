@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from ..ir.graph import Graph
 from .pyemit import Dialect, emit_module
+from .torch_groups import groups
 
 PRELUDE = '''
 import torch
@@ -73,6 +74,22 @@ def silu(x, kernels=None):
     return F.silu(x)
 
 
+def silu_mul(gate_up, kernels=None):
+    """silu(gate) * up, gate and up the two halves of gate_up [..., 2F] -> [..., F]."""
+    if kernels is not None and kernels.silu_mul is not None:
+        return kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return silu(gate, kernels) * up
+
+
+def add_rms_norm(x, y, weight, eps, kernels=None):
+    """(x + y, its rms_norm): a residual add and the norm after it."""
+    if kernels is not None and kernels.add_rms_norm is not None:
+        return kernels.add_rms_norm(x, y, weight, eps)
+    total = x + y
+    return total, rms_norm(total, weight, eps, kernels)
+
+
 def argmax(x, kernels=None):
     """The index of the largest of x [..., V] along V (the first on ties)."""
     if kernels is not None and kernels.argmax is not None:
@@ -121,6 +138,25 @@ def ragged_attention(q, k, v, pos, token_slots, d_slots, d_kv_len, p_slots, p_in
         out = attend(q[0][p_index], pos[0][p_index], p_slots, p_kv_len, k_cache, v_cache, layer, window, scale, gqa)
         outs.append(out.flatten(0, 1)[p_pack][None])
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def attention_block(qkv, heads, kv_heads, head_dim, q_norm, k_norm, eps, cos, sin, pos, token_slots, d_slots,
+                    d_kv_len, p_slots, p_index, p_pack, p_kv_len, k_cache, v_cache, layer, window, scale, kernels=None):
+    """A ragged step's attention block: qkv [1, N, (H + 2 KV) D] split into heads, q and k normed (where a
+    norm weight is given) and rotated, then ragged_attention -> [1, N, H D]. One kernel call for a
+    step of one-token rows."""
+    if kernels is not None and kernels.attention_block is not None and p_slots.shape[0] == 0:
+        return kernels.attention_block(qkv, heads, kv_heads, q_norm, k_norm, eps or 0.0, cos, sin, pos, token_slots,
+                                       k_cache, v_cache, layer, window or 0, scale)
+    N = qkv.shape[1]
+    q, k, v = qkv.split_with_sizes([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = q.reshape(1, N, heads, head_dim), k.reshape(1, N, kv_heads, head_dim), v.reshape(1, N, kv_heads, head_dim)
+    q = q if q_norm is None else rms_norm(q, q_norm, eps, kernels)
+    k = k if k_norm is None else rms_norm(k, k_norm, eps, kernels)
+    q, k = apply_rope(q, cos, sin, kernels), apply_rope(k, cos, sin, kernels)
+    out = ragged_attention(q, k, v, pos, token_slots, d_slots, d_kv_len, p_slots, p_index, p_pack, p_kv_len,
+                           k_cache, v_cache, layer, window, scale, kernels)  # [1, N, H, D]
+    return out.reshape(1, N, heads * head_dim)
 
 
 def attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, gqa, kernels=None):
@@ -209,6 +245,7 @@ TORCH_RAGGED = replace(
         "  k_cache, v_cache [{layers}, rows, {kv_heads}, cache_len, {head_dim}], updated in place.",
     ),
     signature="def step(weights, {inputs}, k_cache, v_cache):",
+    groups=groups,  # the eager step's fused calls (torch_groups)
     setup=('g, layers = weights["global"], weights["layers"]', "N = ids.shape[1]", "dtype = k_cache.dtype",
            STEP_KERNELS),
     ragged=True,

@@ -19,6 +19,14 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor argmax(const torch::Tensor& x);
 torch::Tensor silu(const torch::Tensor& x);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& y,
+                                                      const torch::Tensor& weight, double eps);
+torch::Tensor attention_block(const torch::Tensor& qkv, int64_t heads, int64_t kv_heads,
+                              const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
+                              double eps, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& pos,
+                              const torch::Tensor& token_slots, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                              int64_t layer, int64_t window, double scale);
 void write_cache(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& pos, const torch::Tensor& rows,
                  torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t layer);
 int64_t register_kernels(const std::vector<std::tuple<int64_t, torch::Tensor, int64_t>>& kernels);
@@ -44,6 +52,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "x [..., D] / rms(x) * weight [D], the statistics in float32");
   m.def("rope", &rope, "rotate-half rope of x [B, T, H, D] by cos, sin [B, T, rot]");
   m.def("silu", &silu, "x * sigmoid(x) of x [..., D], float32 inside, rounded once");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of gate_up [..., 2F] (the two halves) -> [..., F]");
+  m.def("add_rms_norm", &add_rms_norm, "(x + y, rms_norm(x + y, weight)): a residual add and the norm after it");
+  m.def("attention_block", &attention_block,
+        "a decode step's attention block: qkv [1, N, (H + 2 KV) D] split, normed, rotated, cached, attended -> [1, N, H D]");
   m.def("argmax", &argmax, "x [..., V] -> int64 [...]: the first index of the largest (or of a NaN)");
   m.def("write_cache", &write_cache, "k, v [B, T, KV, D] into caches [L, rows, KV, S, D] at rows, positions [B, T]");
 }

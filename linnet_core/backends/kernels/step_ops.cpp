@@ -221,19 +221,23 @@ void write_cache(const torch::Tensor& k, const torch::Tensor& v, const torch::Te
 
 namespace {
 
+// silu of the first r.d values of each row of x, times the next r.d (`gated`: the gate and up halves
+// of one row), or alone; silu rounded to T before the product, as F.silu(gate) * up rounds.
 template <typename T>
-void silu_rows(const T* x, T* out, const Rows& r) {
+void silu_rows(const T* x, T* out, const Rows& r, bool gated) {
   for (int64_t i = 0; i < r.n; ++i) {
     const T* xi = x + r.offset(i);
+    const T* ui = xi + r.d;
     T* oi = out + i * r.d;
     int64_t j = 0;
     for (; j + 16 <= r.d; j += 16) {
       const __m512 v = load16(xi + j);
-      store16(oi + j, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), v)))));
+      const __m512 s = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+      store16(oi + j, gated ? _mm512_mul_ps(rounded(s, xi), load16(ui + j)) : s);
     }
     for (; j < r.d; ++j) {
-      const float v = to_f32(xi[j]);
-      oi[j] = from_f32<T>(v / (1.f + std::exp(-v)));
+      const float v = to_f32(xi[j]), s = v / (1.f + std::exp(-v));
+      oi[j] = from_f32<T>(gated ? round_to<T>(s) * to_f32(ui[j]) : s);
     }
   }
 }
@@ -249,8 +253,36 @@ torch::Tensor silu(const torch::Tensor& x) {
   if (x.dim() == 0 || x.stride(-1) != 1 || (dtype != at::kHalf && dtype != at::kBFloat16)) return at::silu(x);
   const Rows r = rows_of(x);
   auto out = torch::empty(x.sizes(), x.options());
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(dtype, "silu", [&] { silu_rows<scalar_t>(ptr<scalar_t>(x), ptr<scalar_t>(out), r); });
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(dtype, "silu", [&] { silu_rows<scalar_t>(ptr<scalar_t>(x), ptr<scalar_t>(out), r, false); });
   return out;
+}
+
+// silu(gate) * up of gate_up [..., 2F] (gate the first half of each row, up the second; rows at any
+// stride) -> [..., F], as the generated `silu_mul`: one call where the emitted lines are a split,
+// silu and a product; 16-bit as `silu` above, ATen's ops for float32.
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  const auto dtype = gate_up.scalar_type();
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "silu_mul: the last axis holds two halves");
+  const int64_t F = gate_up.size(-1) / 2;
+  if (gate_up.stride(-1) != 1 || (dtype != at::kHalf && dtype != at::kBFloat16))
+    return at::silu(gate_up.narrow(-1, 0, F)) * gate_up.narrow(-1, F, F);
+  Rows r = rows_of(gate_up);
+  r.d = F;
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = F;
+  auto out = torch::empty(sizes, gate_up.options());
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(dtype, "silu_mul", [&] {
+    silu_rows<scalar_t>(ptr<scalar_t>(gate_up), ptr<scalar_t>(out), r, true);
+  });
+  return out;
+}
+
+// (x + y, rms_norm(x + y)) as the generated `add_rms_norm`: a residual add and the norm after it in
+// one call; the sum rounded to the dtype before the norm reads it, as the two ops round.
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& y,
+                                                      const torch::Tensor& weight, double eps) {
+  auto sum = at::add(x, y);
+  return {sum, rms_norm(sum, weight, eps)};
 }
 
 namespace {
