@@ -320,3 +320,97 @@ def test_float16_heads_tied_to_the_token_table_keep_their_layout(ext):
     assert weights["global"]["token_embd.weight"] is table
     assert isinstance(weights["layers"][0]["attn_qkv.weight"], PackedHalfLinear)
     assert released == ["blk.0.attn_qkv.weight"] and len(kernels) == 2
+
+
+@pytest.mark.parametrize("dtype", SMALL_OP_DTYPES)
+def test_fused_step_kernels_compute_what_their_helpers_do(ext, dtype):
+    """silu_mul and add_rms_norm exactly as the helpers' lines over the single kernels (silu at 16
+    bits, F.silu for float32); the attention block of three one-token rows (q/k norms, partial rotary,
+    a sliding window) exactly as its helper over the unfused kernels, caches included."""
+    from linnet_core.backends.cpu_kernels import DecodeAttention, StepKernels
+
+    g = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(1, 3, 2 * 1001 + 6, generator=g).to(dtype)[..., :2002]  # rows at a stride, a tail
+    single = StepKernels(silu=ext.silu if dtype != torch.float32 else None)
+    assert torch.equal(ext.silu_mul(gate_up), decode_kernels.generic("silu_mul")(gate_up, single))
+    x, y, w = (torch.randn(1, 3, 96, generator=g).to(dtype) for _ in range(3))
+    total, normed = ext.add_rms_norm(x, y, w[0, 0], 1e-5)
+    assert torch.equal(total, x + y) and torch.equal(normed, ext.rms_norm(x + y, w[0, 0], 1e-5))
+
+    heads, kv_heads, D = 8, 2, 32
+    qkv = torch.randn(1, 3, (heads + 2 * kv_heads) * D + 16, generator=g).to(dtype)[..., 16:]  # a view
+    q_norm, k_norm = (torch.randn(D, generator=g).to(dtype) for _ in range(2))
+    pos, rows = torch.tensor([[9, 0, 30]]), torch.tensor([[2, 0, 1]])
+    cos, sin = decode_kernels.generic("rope_table")(pos, torch.rand(8, generator=g), dtype)  # rotary 16 of 32
+    caches = [torch.randn(2, 3, kv_heads, 40, D, generator=g).to(dtype) for _ in range(2)]  # [L, rows, KV, S, D]
+    mine = [c.clone() for c in caches]
+    unfused = StepKernels(decode_attention=DecodeAttention(ext), rms_norm=ext.rms_norm, rope=ext.rope,
+                          write_cache=ext.write_cache)
+    for norms, window in (((q_norm, k_norm), 8), ((None, None), None)):
+        want = decode_kernels.generic("attention_block")(
+            qkv, heads, kv_heads, D, *norms, 1e-6, cos, sin, pos, rows, rows[0], None, torch.zeros(0, dtype=torch.long),
+            None, None, None, *caches, 1, window, 0.17, unfused)
+        got = ext.attention_block(qkv, heads, kv_heads, *norms, 1e-6, cos, sin, pos, rows, *mine, 1, window or 0, 0.17)
+        assert got.shape == (1, 3, heads * D) and torch.equal(got, want)
+        assert torch.equal(caches[0], mine[0]) and torch.equal(caches[1], mine[1])
+
+
+def test_the_attention_block_leaves_prompt_chunks_to_the_lines(ext):
+    """A step with a prompt chunk takes the helper's own lines (the kernel attends one-token rows only)."""
+    from linnet_core.backends.cpu_kernels import StepKernels
+
+    def refuse(*a):
+        raise AssertionError("the fused kernel was called for a prompt chunk")
+
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(1, 4, 4 * 16, generator=g)
+    pos, rows = torch.arange(4)[None], torch.zeros(1, 4, dtype=torch.long)
+    cos, sin = decode_kernels.generic("rope_table")(pos, torch.rand(8, generator=g), torch.float32)
+    caches = [torch.zeros(1, 1, 1, 8, 16) for _ in range(2)]
+    index = (torch.zeros(0, dtype=torch.long), 1, torch.tensor([0]), torch.arange(4)[None], torch.arange(4), 4)
+    helper = decode_kernels.generic("attention_block")
+    got = helper(qkv, 2, 1, 16, None, None, None, cos, sin, pos, rows, *index, *caches, 0, None, 0.25,
+                 StepKernels(attention_block=refuse))
+    want = helper(qkv, 2, 1, 16, None, None, None, cos, sin, pos, rows, *index,
+                  *[torch.zeros(1, 1, 1, 8, 16) for _ in range(2)], 0, None, 0.25, None)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_sessions_decode_with_the_fused_kernels_exactly_as_with_the_single_ones(ext, checkpoints, dtype):
+    """Every family fixture, three rows decoding together past a sliding window: the same logits and
+    caches, bit for bit, with the fused calls as with the single kernels they replace."""
+    import dataclasses
+
+    from family_fixtures import FAMILY_CASES
+    from linnet_core.compile import load_model
+
+    for case in FAMILY_CASES:
+        session, _ = load_model(checkpoints[case], "torch", dtype, 32, rows=3, device="cpu")
+        fused = session.weights["global"]["step_kernels"]
+        assert None not in (fused.attention_block, fused.silu_mul, fused.add_rms_norm)
+        runs = []
+        for kernels in (fused, dataclasses.replace(fused, attention_block=None, silu_mul=None, add_rms_norm=None)):
+            session.weights["global"]["step_kernels"] = kernels
+            session.k_cache.zero_(), session.v_cache.zero_()
+            toks = [session.prefill([1 + j, 5, 7, 9, 11 + j], slot=j).tokens[0] for j in range(3)]
+            logits = []
+            for step in range(12):
+                out = session.decode(toks, [5 + step] * 3, [0, 1, 2], logits=True)
+                toks = list(out.tokens)
+                logits.append(torch.from_numpy(out.logits.copy()))
+            runs.append((torch.stack(logits), session.k_cache.clone(), session.v_cache.clone()))
+        assert all(torch.equal(a, b) for a, b in zip(*runs)), case
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared_and_a_fresh_one_kept(tmp_path):
+    """torch's builder waits on its lock file for as long as it exists: one older than any build is
+    removed (with a notice), a recent one (a build still running) is left to the builder."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not decode_kernels.clear_stale_lock(tmp_path) and lock.exists()
+    old = os.path.getmtime(lock) - decode_kernels.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(decode_kernels.KernelBuildNotice, match="stale build lock"):
+        assert decode_kernels.clear_stale_lock(tmp_path)
+    assert not lock.exists() and not decode_kernels.clear_stale_lock(tmp_path)

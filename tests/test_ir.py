@@ -16,6 +16,7 @@ from linnet_core.errors import IRError
 from linnet_core.ir.graph import Node
 from linnet_core.ir.ops import OPS
 from linnet_core.ir.passes import fuse_parallel_linears, optimize
+from linnet_core.ir.ragged import to_ragged
 from linnet_core.ir.verify import verify
 from linnet_core.models import build_graph, load_spec
 
@@ -83,7 +84,7 @@ def test_fusion_merges_qkv_and_gate_up(graph):
     assert sum(n.op == "linear" for n in fused.block.nodes) == 4
 
 
-EMITTERS = {"torch": emit, "jax": emit_jax}
+EMITTERS = {"torch": emit, "torch-ragged": lambda g: emit(to_ragged(g)), "jax": emit_jax}
 
 
 @pytest.mark.parametrize("emitter", EMITTERS)
@@ -98,6 +99,35 @@ def test_emitted_python_matches_golden(case, emitter, checkpoints):
     assert path.is_file(), f"no golden copy at {path}; run with LINNET_UPDATE_GOLDEN=1 once"
     assert text == path.read_text()
     compile(text, str(path), "exec")
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES)
+def test_the_eager_step_calls_each_fused_group_once_a_layer(case, checkpoints):
+    """The ragged torch step renders the attention block, silu * up and the residual add + norm as one
+    helper call each (torch_groups), for every family; the dense step (inductor's) keeps every line."""
+    graph = optimize(build_graph(load_spec(checkpoints[case])))
+    ragged = emit(to_ragged(graph))
+    loop = ragged[ragged.index("for i, w in enumerate(layers):"):]
+    for call in ("= attention_block(", "= silu_mul(", "= add_rms_norm("):
+        assert loop.count(call) == 1, call
+    assert ".split_with_sizes(" not in loop and "ragged_attention(" not in loop
+    assert "= attention_block(" not in emit(graph).split("def step(")[1]
+
+
+def test_a_group_whose_values_are_read_elsewhere_keeps_its_lines(graph):
+    """Fusing must not hide a value another node reads: a second reader of silu's output, or of a
+    query head, leaves that group's nodes as they are."""
+    from linnet_core.backends.torch_groups import Group, groups
+
+    g = to_ragged(optimize(graph))
+    helpers = lambda g: {n.helper for n in groups(g) if isinstance(n, Group)}  # noqa: E731
+    assert helpers(g) == {"attention_block", "silu_mul", "add_rms_norm"}
+    act = next(n for n in g.block.nodes if n.op == "silu").outputs[0]
+    q_rot = next(n for n in g.block.nodes if n.op == "rope").outputs[0]
+    for value, lost in ((act, "silu_mul"), (q_rot, "attention_block")):
+        g2 = copy.deepcopy(g)
+        g2.block.nodes.append(Node("add", (value, value), ("extra",)))
+        assert helpers(g2) == {"attention_block", "silu_mul", "add_rms_norm"} - {lost}
 
 
 @pytest.mark.parametrize("case", FAMILY_CASES)

@@ -34,6 +34,7 @@ import functools
 import hashlib
 import importlib.util
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -98,7 +99,10 @@ def _prelude() -> dict:
 def _small_ops_disagree(ext) -> str | None:
     """Which of the step's small-op kernels computes otherwise than its helper, or None: rope, the
     cache write and argmax exactly, RMSNorm within a float32 rounding of its sum (another summation
-    order), silu within one 16-bit rounding (its exponential is a polynomial, ATen's Sleef's)."""
+    order), silu and silu_mul within a 16-bit rounding (the exponential is a polynomial, ATen's
+    Sleef's), the attention block exactly as its helper over the unfused kernels."""
+    from .cpu_kernels import DecodeAttention, StepKernels
+
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         qkv = torch.randn(2, 3, 160, generator=g).to(dtype)
@@ -121,6 +125,19 @@ def _small_ops_disagree(ext) -> str | None:
         gate = qkv[..., :40]  # a strided view, as the gate half of a fused projection
         if not torch.allclose(ext.silu(gate).float(), generic("silu")(gate).float(), rtol=1e-2, atol=1e-6):
             return "silu"
+        if not torch.allclose(ext.silu_mul(qkv[..., :80]).float(), generic("silu_mul")(qkv[..., :80]).float(),
+                              rtol=2e-2, atol=1e-6):
+            return "silu_mul"
+        caches = [torch.zeros(2, 3, 1, 8, 32, dtype=dtype) for _ in range(4)]  # three one-token rows
+        qkv1, pos1, rows1 = qkv[:1], torch.tensor([[4, 0, 6]]), torch.tensor([[1, 0, 2]])
+        index = (rows1[0], None, torch.zeros(0, dtype=torch.long), None, None, None)
+        got = ext.attention_block(qkv1, 3, 1, w, w, 1e-6, cos[:1], sin[:1], pos1, rows1, caches[0], caches[1], 1, 0, 0.2)
+        small = StepKernels(decode_attention=DecodeAttention(ext), rms_norm=ext.rms_norm, rope=ext.rope,
+                            write_cache=ext.write_cache)  # the unfused kernels
+        want = generic("attention_block")(qkv1, 3, 1, 32, w, w, 1e-6, cos[:1], sin[:1], pos1, rows1, *index,
+                                          caches[2], caches[3], 1, None, 0.2, small)
+        if not (torch.equal(got, want) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])):
+            return "attention block"
         logits = torch.randn(3, 50, generator=g).to(dtype)
         logits[1, 7] = logits[1, 30] = logits[1].max() + 1  # a tie: the first
         logits[2, 9] = float("nan")
@@ -249,8 +266,26 @@ def _build():
     except ImportError:
         pass
     # torch's builder locks the folder (concurrent first uses wait for one build) and reuses it after.
+    clear_stale_lock(build)
     return load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
                 extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+
+
+STALE_LOCK_S = 900  # a build takes ~2 minutes on 2 cores: a lock this old outlived its builder
+
+
+def clear_stale_lock(build: Path) -> bool:
+    """Remove the builder's lock file left by a process killed mid-build (torch's builder would wait on
+    it forever); whether one was removed. A lock younger than STALE_LOCK_S is a build still running."""
+    lock = build / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime < STALE_LOCK_S:
+            return False
+        lock.unlink()
+    except FileNotFoundError:
+        return False
+    warnings.warn(f"removed a stale build lock left by an interrupted build ({lock})", KernelBuildNotice, stacklevel=2)
+    return True
 
 
 def _import(name: str, path: Path):
