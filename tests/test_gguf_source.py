@@ -61,7 +61,7 @@ def test_the_spec_read_from_a_gguf_is_the_checkpoints(case, exported, tokenized_
     assert got.max_position_embeddings == min([src.max_position_embeddings] + [w for w in src.layer_windows if w])
 
 
-@pytest.mark.parametrize("case", FAMILY_CASES)
+@pytest.mark.parametrize("case", FAMILY_CASES + ["llama-llama3-rope"])  # the last: rope by a rope_freqs tensor
 def test_a_float32_gguf_decodes_as_its_checkpoint(case, exported, tokenized_checkpoints):
     want_tokens, want_logits = greedy(tokenized_checkpoints[case], "float32")
     got_tokens, got_logits = greedy(exported(case), "float32")
@@ -107,6 +107,43 @@ def test_the_tokenizer_read_from_a_gguf_encodes_as_the_checkpoints(case, exporte
     assert (got.bos_token, got.eos_token) == (src.bos_token, src.eos_token)
     assert got.eos_ids == src.eos_ids
     assert got.chat_template == src.chat_template
+
+
+# Pieces of the tokenizer parity sweep: scripts, combining marks, emoji sequences, whitespace runs,
+# digit groups, contractions, code, and every style's special tokens (whole, and a broken one).
+PARITY_PIECES = [
+    "Hello world", "naïve café", "日本語のテキスト", "Ελληνικά", "emoji 🤖🎉", "مرحبا بالعالم", "e\u0301", "👨‍👩‍👧",
+    " ", "  ", "   ", "\t", "\n", "\r\n", "\n\n", "   \n\n  ", " \t ", "1", "12", "123", "1234", "12345678",
+    "3.14159", "1,000,000", "٣٤٥", "DON'T", "it's", "we'll", "def f(x):\n    return x**2", "!!!", "...", "a-b_c",
+    "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|begin_of_text|>", "<|im_", "x",
+    "The list object", "\u00a0", "\u3000", "ÿ", "\x00", "tab\there",
+]
+PARITY_TEXTS = PARITY_PIECES + [a + b for a in PARITY_PIECES[:24] for b in PARITY_PIECES[8:32]]  # 623 strings
+
+
+@pytest.mark.parametrize("case", ["llama-gqa-untied", "phi3-fused-window", "qwen2-bias-tied", "llama-llama3-rope"])
+def test_the_tokenizer_read_from_a_gguf_encodes_as_llama_cpp_does(case, exported):
+    """llama.cpp's own tokenizer on the same file (SentencePiece-style, Qwen2's and Llama 3's byte-level
+    BPE): the same ids for every sweep string, with and without BOS, special tokens parsed; decoding
+    gives llama.cpp's text but for two conventions Linnet shares with transformers (special tokens
+    skipped, a SentencePiece vocabulary's prefix space dropped)."""
+    pytest.importorskip("llama_cpp")
+    from llama_cpp import Llama
+
+    from linnet_core.llamacpp_ref import native_stderr_kept
+
+    mine = Tokenizer(exported(case))
+    with native_stderr_kept():
+        llm = Llama(model_path=str(exported(case)), vocab_only=True, verbose=False)
+    with read_gguf(exported(case)) as g:
+        spm = g.metadata["tokenizer.ggml.model"] == "llama"
+    assert len(PARITY_TEXTS) >= 600
+    for text in PARITY_TEXTS:
+        ids = llm.tokenize(text.encode(), add_bos=False, special=True)
+        assert mine.encode(text, add_special_tokens=False) == ids, text
+        assert mine.encode(text) == llm.tokenize(text.encode(), add_bos=True, special=True), text
+        said = llm.detokenize(ids, special=False).decode("utf-8", "replace")
+        assert mine.decode(ids) == (said[1:] if spm and said.startswith(" ") else said), text
 
 
 def test_run_and_compile_take_a_gguf(exported, tokenized_checkpoints):
@@ -157,6 +194,32 @@ def test_verify_of_a_gguf_takes_llama_cpp_on_the_file_as_its_reference(case, fmt
     report = verify(exported(case, fmt), "torch", dtype, steps=4, prompt="Hi")  # phi3-fused-window: 8 positions
     assert report.reference_dtype.startswith("llama.cpp")
     assert report.passed and report.tokens_match, (report.distance, report.tolerance)
+
+
+def test_llama3_rope_scaling_is_read_from_the_rope_freqs_tensor(exported, tokenized_checkpoints, tmp_path):
+    """llama.cpp carries llama3 scaling as per-frequency divisors: read back as such (the frequencies
+    the checkpoint's llama3 settings give, within float32), written again by `export gguf`, and
+    refused in one line by `export hf`, whose config has no spelling for them."""
+    from linnet_core.export.gguf_export import rope_freq_factors
+    from linnet_core.ir.rope import inv_freq
+
+    case = "llama-llama3-rope"
+    src, got = open_model(tokenized_checkpoints[case]).spec, open_model(exported(case)).spec
+    assert src.rope.type == "llama3" and got.rope.type == "freq_factors"
+    np.testing.assert_allclose(got.rope.freq_factors, rope_freq_factors(src), rtol=1e-7)
+    np.testing.assert_allclose(inv_freq(vars(got.rope), got.rotary_dim), inv_freq(vars(src.rope), src.rotary_dim),
+                               rtol=1e-6)
+    again = tmp_path / "again.gguf"
+    assert invoke("export", "gguf", exported(case), again, "--dtype", "f32", "--no-check").exit_code == 0
+    with read_gguf(again) as g:
+        np.testing.assert_array_equal(g.tensor("rope_freqs.weight"), rope_freq_factors(src))
+    assert_one_line_error(invoke("export", "hf", exported(case), tmp_path / "hf"), 1, "rope_freqs")
+    assert not (tmp_path / "hf").exists()
+    if importlib.util.find_spec("llama_cpp") is not None:
+        from linnet_core.verify import verify
+
+        report = verify(exported(case), "torch", "float32", steps=4, prompt="Hi")
+        assert report.passed and report.tokens_match, (report.distance, report.tolerance)
 
 
 @needs_llama_cpp

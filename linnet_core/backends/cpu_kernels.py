@@ -294,7 +294,7 @@ class StepKernels:
     write_cache: Optional[Callable] = None
     argmax: Optional[Callable] = None  # ATen's reads 16-bit logits one at a time
     silu: Optional[Callable] = None  # ATen's 16-bit silu: 8-9 us for Qwen3-4B's 9728 values, this one ~5
-    # the emitted step's fused groups (torch_emit.fuse_groups): one call where the lines are 2-15
+    # the eager step's fused groups (torch_groups): one call where the emitted lines were 2-15
     silu_mul: Optional[Callable] = None
     add_rms_norm: Optional[Callable] = None
     attention_block: Optional[Callable] = None  # decode steps: needs decode_attention

@@ -56,7 +56,8 @@ def permute_for_interleaved_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def rope_freq_factors(spec: ModelSpec) -> np.ndarray:
-    """llama3 scaling as llama.cpp takes it: per-frequency divisors of the unscaled rope [rotary_dim / 2]."""
+    """llama3 scaling (or a GGUF's own factors) as llama.cpp takes it: per-frequency divisors of the
+    unscaled rope [rotary_dim / 2]."""
     rope = asdict(spec.rope)
     base = inv_freq({**rope, "type": "default"}, spec.rotary_dim)
     scaled = inv_freq(rope, spec.rotary_dim)
@@ -104,7 +105,7 @@ def _plan(spec: ModelSpec, layout: GgufLayout, ckpt: Checkpoint, dtype: str, ggu
         else:
             qtype = Q.F32 if len(p.shape) == 1 else Q[dtype.upper()]
         plan.append(_tensor(gname, p.shape, qtype, weight, gguf))
-    if spec.rope.type == "llama3":
+    if spec.rope.type in ("llama3", "freq_factors"):  # llama.cpp's spelling of both
         factors = rope_freq_factors(spec)
         plan.append(_tensor("rope_freqs.weight", factors.shape, Q.F32, lambda: torch.from_numpy(factors), gguf))
     return plan

@@ -17,7 +17,7 @@ from ..compile import Model, open_model, pick_dtype
 from ..models import build_graph, hf_architecture
 from ..models.spec import ModelSpec
 from ..dtypes import FORMATS, torch_dtype
-from ..errors import InputError
+from ..errors import InputError, UnsupportedModel
 from ..params import layout, materialize, release_sources
 from ..units import parse_size
 from ..weights import write_safetensors
@@ -31,6 +31,10 @@ def rope_fields(spec: ModelSpec) -> dict:
     """Rope settings in both spellings: `rope_parameters` (transformers 5) and `rope_theta` /
     `rope_scaling` / `partial_rotary_factor` (the vLLM, SGLang and TGI releases in use)."""
     r = spec.rope
+    if r.type == "freq_factors":
+        raise UnsupportedModel("the model's rope is scaled by per-frequency factors (a GGUF's rope_freqs), which "
+                               "a transformers config cannot spell", hint="export gguf keeps them; or use the "
+                               "Hugging Face checkpoint it was converted from")
     scaling: dict | None = None
     if r.type == "linear":
         scaling = {"factor": r.factor}

@@ -1,4 +1,5 @@
-"""Rotary embedding frequencies, computed once here for every emitter (default, linear, llama3)."""
+"""Rotary embedding frequencies, computed once here for every emitter (default, linear, llama3, and
+per-frequency factors as a GGUF's rope_freqs tensor gives them)."""
 
 from __future__ import annotations
 
@@ -30,4 +31,9 @@ def inv_freq(rope: dict, rotary_dim: int) -> list[float]:
                 smooth = (old_len / wavelen - low) / (high - low)
                 out.append((1 - smooth) * f / factor + smooth * f)
         return out
+    if kind == "freq_factors":  # llama.cpp: theta = pos * base_freq / factor
+        factors = rope["freq_factors"]
+        if len(factors) != len(base):
+            raise IRError(f"rope: {len(factors)} frequency factors for {len(base)} frequencies")
+        return [f / k for f, k in zip(base, factors)]
     raise IRError(f"rope type {kind!r} reached the emitter unchecked")

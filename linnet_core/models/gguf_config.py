@@ -9,7 +9,7 @@ the layout says which rows llama.cpp permuted.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -33,8 +33,9 @@ def _one(value: Any, key: str) -> Any:
     return value
 
 
-def config_from_gguf(meta: dict[str, Any], tensors: set[str]) -> dict[str, Any]:
-    """The Hugging Face config a GGUF's metadata describes; refused by name where Linnet lacks it."""
+def config_from_gguf(meta: dict[str, Any], tensors: set[str], values: Callable[[str], np.ndarray]) -> dict[str, Any]:
+    """The Hugging Face config a GGUF's metadata describes (`values(name)` reads a tensor the config
+    needs: rope_freqs); refused by name where Linnet lacks it."""
     arch = meta.get("general.architecture")
     fam = ARCHITECTURES.get(arch)
     if fam is None:
@@ -48,9 +49,6 @@ def config_from_gguf(meta: dict[str, Any], tensors: set[str]) -> dict[str, Any]:
             raise UnsupportedModel(f"the GGUF has no '{full}', which a {arch} model needs")
         return default
 
-    if "rope_freqs.weight" in tensors:
-        raise UnsupportedModel("the GGUF scales its rope by a rope_freqs tensor (llama3-style scaling), "
-                               "which Linnet does not read from GGUF yet", hint="use the Hugging Face checkpoint")
     if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
         raise UnsupportedModel("the GGUF scales its rope by rope_factors tensors (LongRoPE, Phi-3 128k), "
                                "which Linnet does not model", hint="use a 4k-context model")
@@ -85,6 +83,14 @@ def config_from_gguf(meta: dict[str, Any], tensors: set[str]) -> dict[str, Any]:
     }
     if scaling == "linear":
         cfg["rope_scaling"] = {"type": "linear", "factor": float(key("rope.scaling.factor"))}
+    if "rope_freqs.weight" in tensors:  # llama3-style scaling, as per-frequency divisors
+        if scaling != "none":
+            raise UnsupportedModel(f"the GGUF scales its rope twice (a rope_freqs tensor and '{scaling}' scaling)")
+        factors = np.asarray(values("rope_freqs.weight"), dtype=np.float64).reshape(-1)
+        if factors.size != rotary // 2 or not np.all(np.isfinite(factors)) or np.any(factors <= 0):
+            raise UnsupportedModel(f"the GGUF's rope_freqs holds {factors.size} values where its rotary dimension "
+                                   f"{rotary} needs {rotary // 2} positive ones")
+        cfg["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
     window = key("attention.sliding_window", 0, required=False)
     if window:
         cfg["sliding_window"] = int(window)

@@ -14,7 +14,9 @@ from typing import Any
 from ..dtypes import normalize_format
 from ..errors import UnsupportedModel
 
-ROPE_TYPES = ("default", "linear", "llama3")
+# freq_factors: each inverse frequency divided by its own factor, as a GGUF carries llama3 scaling
+# (llama.cpp's rope_freqs tensor); no config.json spells it.
+ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,7 @@ class RopeSpec:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     partial_rotary_factor: float = 1.0
+    freq_factors: tuple[float, ...] = ()  # type freq_factors: one divisor per inverse frequency
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,8 @@ class ModelSpec:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ModelSpec":
         """The spec `to_json` wrote (lists back to tuples, the rope back to its record)."""
-        return cls(**{**d, "rope": RopeSpec(**d["rope"]), "layer_windows": tuple(d["layer_windows"]),
+        rope = RopeSpec(**{**d["rope"], "freq_factors": tuple(d["rope"].get("freq_factors", ()))})
+        return cls(**{**d, "rope": rope, "layer_windows": tuple(d["layer_windows"]),
                       "eos_token_ids": tuple(d["eos_token_ids"])})
 
 
@@ -113,6 +117,8 @@ def read_rope(cfg: dict) -> RopeSpec:
             )
         except KeyError as e:
             raise UnsupportedModel(f"llama3 rope scaling lacks '{e.args[0]}' in config.json") from None
+    elif kind == "freq_factors":
+        spec = RopeSpec(**{**asdict(spec), "freq_factors": tuple(float(f) for f in merged.get("freq_factors", ()))})
     return spec
 
 
