@@ -222,6 +222,53 @@ def test_llama3_rope_scaling_is_read_from_the_rope_freqs_tensor(exported, tokeni
         assert report.passed and report.tokens_match, (report.distance, report.tolerance)
 
 
+def written_by_the_gguf_package(src, dst, qtype: str):
+    """`src` (a float32 GGUF) written again by the gguf package alone, none of Linnet's writer: every
+    field copied, each 2-D weight converted or quantized by gguf.quants to `qtype`, 1-D tensors (norms,
+    biases, rope factors) kept float32 as llama.cpp's converter keeps them."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    reader = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            vtype = gguf.GGUFValueType(field.types[0])
+            sub = gguf.GGUFValueType(field.types[1]) if vtype == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(name, field.contents(), vtype, sub)
+    for t in reader.tensors:
+        data = np.asarray(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        if data.ndim == 2:
+            data = gguf.quants.quantize(data, Q[qtype])
+            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=Q[qtype])
+        else:
+            w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0"])
+def test_ggufs_the_gguf_package_writes_compute_as_llama_cpp(qtype, exported, tmp_path):
+    """Not only Linnet's own writer: every family's GGUF converted and quantized by the gguf package
+    alone reads back to the same spec and computes as llama.cpp does on the file (verify passes;
+    Q8_0 and Q4_0 kept as the file's blocks)."""
+    from linnet_core.verify import verify
+
+    for case in FAMILY_CASES:
+        path = written_by_the_gguf_package(exported(case), tmp_path / f"{case}-{qtype}.gguf", qtype)
+        spec, f32 = open_model(path).spec, open_model(exported(case)).spec
+        assert spec.dtype == {"F16": "float16", "BF16": "bfloat16"}.get(qtype, qtype.lower())
+        assert spec.to_json() | {"dtype": None} == f32.to_json() | {"dtype": None}
+        report = verify(path, "torch", "auto", steps=4, prompt="Hi")
+        assert report.passed, (case, report.distance, report.tolerance)
+        # 4-bit: a random fixture's logits sit near ties, which int8 activations may break either way
+        assert report.tokens_match or qtype == "Q4_0", case
+
+
 @needs_llama_cpp
 def test_verify_cli_on_a_gguf(exported):
     r = invoke("verify", exported("qwen2-bias-tied"), "--backend", "torch", "--dtype", "float32", "--json")

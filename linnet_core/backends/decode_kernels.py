@@ -21,7 +21,10 @@
   Qwen3-4B's shapes, measured on a cold cache as in a step).
 - `step_ops.cpp`: RMSNorm, rope and the cache write, one call each for an eager step, where the
   emitted ATen ops are 3-8 calls (~1 ms of a 5.7 ms decode step at the 191M Qwen3's shape), and
-  argmax (ATen's reads 16-bit logits one at a time: ~120 us at a 32000-token vocabulary).
+  argmax (ATen's reads 16-bit logits one at a time: ~120 us at a 32000-token vocabulary); silu,
+  silu * up and the residual add + norm for the eager step's fused groups (torch_groups).
+- `attention_block.cpp`: a decode step's attention block (split into heads, q/k norms, rope, cache
+  write, decode attention) in one call composing the kernels above.
 Built with torch's C++ extension builder (g++ and ninja, ~100 s on 2 cores) into ~/.cache/linnet/kernels (or
 $LINNET_KERNELS), keyed by the PyTorch install and the sources, checked against the generic ops,
 and used only where the CPU has AVX-512 BF16 and VNNI; anything missing means the generic ops as before,
