@@ -251,7 +251,7 @@ def written_by_the_gguf_package(src, dst, qtype: str):
 
 
 @needs_llama_cpp
-@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0"])
 def test_ggufs_the_gguf_package_writes_compute_as_llama_cpp(qtype, exported, tmp_path):
     """Not only Linnet's own writer: every family's GGUF converted and quantized by the gguf package
     alone reads back to the same spec and computes as llama.cpp does on the file (verify passes;
@@ -261,7 +261,7 @@ def test_ggufs_the_gguf_package_writes_compute_as_llama_cpp(qtype, exported, tmp
     for case in FAMILY_CASES:
         path = written_by_the_gguf_package(exported(case), tmp_path / f"{case}-{qtype}.gguf", qtype)
         spec, f32 = open_model(path).spec, open_model(exported(case)).spec
-        assert spec.dtype == {"F16": "float16", "BF16": "bfloat16"}.get(qtype, qtype.lower())
+        assert spec.dtype == {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(qtype, qtype.lower())
         assert spec.to_json() | {"dtype": None} == f32.to_json() | {"dtype": None}
         report = verify(path, "torch", "auto", steps=4, prompt="Hi")
         assert report.passed, (case, report.distance, report.tolerance)
