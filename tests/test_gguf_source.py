@@ -326,39 +326,45 @@ def test_a_gguf_exported_again_in_another_format_loads_in_llama_cpp(exported, tm
 
 
 @needs_llama_cpp
-def test_a_q4_k_m_file_from_llama_cpps_quantizer_computes_as_llama_cpp(tmp_path):
-    """The K-quants people download (a Q4_K_M mixes Q4_K and Q6_K), written by llama.cpp's own
-    quantizer, dequantized on the way in: verify against llama.cpp on the file passes."""
+@pytest.mark.parametrize("ftype,kinds", [("Q4_K_M", {"Q4_K", "Q6_K"}), ("Q5_K_M", {"Q5_K", "Q6_K"})])
+@pytest.mark.parametrize("case_id", FAMILY_CASES)
+def test_k_quant_files_from_llama_cpps_quantizer_compute_as_llama_cpp(case_id, ftype, kinds, tmp_path):
+    """The K-quants people download (a Q4_K_M mixes Q4_K and Q6_K, a Q5_K_M Q5_K and Q6_K), written
+    by llama.cpp's own quantizer for every family, dequantized on the way in: verify against
+    llama.cpp on the file passes."""
     import ctypes
 
     import llama_cpp
     from family_fixtures import CASES, TOKENIZED_VOCAB, make_checkpoint
     from tokenizer_fixtures import write_tokenizer
 
+    from linnet_core.llamacpp_ref import native_stderr_kept
     from linnet_core.verify import verify
+    from linnet_core.weights import Checkpoint
 
-    case = next(c for c in CASES if c.id == "llama-gqa-untied")
+    case = next(c for c in CASES if c.id == case_id)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # every row a multiple of 256
     folder = make_checkpoint(case, tmp_path / "k", vocab_size=TOKENIZED_VOCAB, hidden_size=256,
-                             intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)  # rows of 256
+                             intermediate_size=512, **{**heads, **({"num_key_value_heads": 4} if "phi3" in case_id
+                                                                   else {})})
     write_tokenizer(folder, case.tokenizer, TOKENIZED_VOCAB)
     f32 = export_gguf(folder, tmp_path / "f32.gguf", "f32", check=False).out
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, 2
-    from linnet_core.llamacpp_ref import native_stderr_kept
-
+    params.ftype, params.nthread = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}"), 2
     with native_stderr_kept():
         assert llama_cpp.llama_model_quantize(str(f32).encode(), str(tmp_path / "q.gguf").encode(),
                                               ctypes.byref(params)) == 0
     with read_gguf(tmp_path / "q.gguf") as g:
-        assert {"Q4_K", "Q6_K"} <= {t.type for t in g.tensors.values()}
+        assert kinds <= {t.type for t in g.tensors.values()}
     model = open_model(tmp_path / "q.gguf")
     assert model.spec.dtype == "bfloat16"  # auto: K-quants compute in 16 bits
-    from linnet_core.weights import Checkpoint
-
-    name = "model.layers.0.self_attn.q_proj.weight"  # Q4_K, and its rows permuted in the file
-    want = Checkpoint.from_folder(folder).get(name).float()
+    source = Checkpoint.from_folder(folder)
+    # a projection of queries (llama: rows permuted in the file) or Phi-3's fused q/k/v
+    name = next(n for n in source.tensors
+                if n.endswith(("layers.0.self_attn.q_proj.weight", "layers.0.self_attn.qkv_proj.weight")))
+    want = source.get(name).float()
     assert (model.checkpoint().get(name) - want).abs().max() <= 0.1 * want.abs().max()  # 4 bits: ~1/15 of the range
-    report = verify(tmp_path / "q.gguf", "torch", "float32", steps=4, prompt="Hello world")
+    report = verify(tmp_path / "q.gguf", "torch", "float32", steps=4, prompt="Hi")
     assert report.passed, (report.distance, report.tolerance)
 
 
