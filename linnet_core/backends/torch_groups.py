@@ -90,7 +90,8 @@ def _attention_block(b: _Block, att: Node) -> Group | None:
             or b.g.values[flat[0].outputs[0]].shape != (1, "N", H * D)):
         return None
     chain = [split, *reshapes, *(n for n in norms if n is not None), rq, rk, att, flat[0]]
-    inner = [(v, n) for n in chain[1:] for v in n.inputs if v in b.producer and b.producer[v] in chain]
+    members = {id(n) for n in chain}
+    inner = [(v, n) for n in chain[1:] for v in n.inputs if v in b.producer and id(b.producer[v]) in members]
     if not all(b.only_read_by(v, n) for v, n in inner):
         return None
     args = (Ref(split.inputs[0]), H, KV, D, *(Ref(n.inputs[1]) if n else None for n in norms),

@@ -149,10 +149,11 @@ def export_hf(model: str | Path | Model | None, out: Path, dtype: str = "auto", 
         raise InputError(f"a Hugging Face checkpoint holds float weights, not {dt} blocks",
                          hint="pass --dtype float32, bfloat16 or float16 (the blocks are dequantized)")
     max_bytes = parse_size(max_shard_size)
+    config = hf_config(m.config, m.spec, dt)  # before the weights: a model no config can spell is refused at once
     report = None
     with output_folder(Path(out), force) as tmp:
         write_weights(m, tmp, dt, max_bytes)
-        (tmp / "config.json").write_text(json.dumps(hf_config(m.config, m.spec, dt), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         copy_tokenizer(m.path, tmp)
         (tmp / "generation_config.json").write_text(json.dumps(generation_config(m.path, m.spec), indent=2) + "\n")
         if check:
