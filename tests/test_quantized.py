@@ -49,11 +49,15 @@ def test_kernel_is_a_float32_matmul_over_int8_activations_and_the_dequantized_we
 @needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_repacking_moves_the_bytes_and_changes_none(fmt):
-    """8 rows interleaved per block: every scale and quant byte kept, the padding rows zero."""
+    """8 rows interleaved per block: every scale and quant byte kept (q8_0's with the sign bit
+    flipped, 128 above its value), the padding rows zero."""
     blocks = quantize(torch.randn(13, 64, generator=torch.Generator().manual_seed(1)), fmt)  # [13, 2 * bb]
     packed = decode_kernels.repack(blocks, fmt)  # [2 groups, 2 blocks * 8 rows * bb]
     bb = blocks.shape[1] // 2
     assert packed.shape == (2, 2 * 8 * bb) and packed.dtype == torch.uint8
+    if fmt == "q8_0":
+        packed = packed.clone()
+        packed.view(2, 2, 8 * bb)[:, :, 16:] ^= 0x80  # [group, block, quants after the 8 scales]
     assert sorted(packed.flatten().tolist()) == sorted(blocks.flatten().tolist() + [0] * (3 * 2 * bb))
     first = packed[0, :8 * bb]  # block 0 of rows 0..7: their scales, then 4-byte chunks row by row
     assert torch.equal(first[:16].view(8, 2), blocks[:8, :2])

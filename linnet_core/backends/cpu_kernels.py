@@ -192,7 +192,7 @@ class PackedHalfLinear(CpuLinear):
 
 class QuantLinear(CpuLinear):
     """A weight held as GGUF blocks (q8_0, q4_0), repacked once for Linnet's int8 kernel (the same
-    bytes, 8 rows interleaved: a copy, the mapped original released); never a float copy."""
+    blocks, 8 rows interleaved: a copy, the mapped original released); never a float copy."""
 
     def __init__(self, blocks: torch.Tensor, handle: int, fmt: str):
         self.out_features, self.handle = blocks.shape[0], handle

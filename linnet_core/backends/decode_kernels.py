@@ -318,8 +318,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def repack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
-    """`fmt` blocks [N, K / 32 * block bytes] -> the same bytes as `quant_linear` reads them (8 rows
-    interleaved per block; a copy)."""
+    """`fmt` blocks [N, K / 32 * block bytes] -> the same blocks as `quant_linear` reads them (8 rows
+    interleaved per block, q8_0's quants stored 128 above their value; a copy)."""
     return extension().repack_rows8(blocks, QUANT_CODES[fmt])
 
 
