@@ -7,6 +7,13 @@ entry is built in a temporary folder and renamed into place, so readers see comp
 none; a file lock per key makes concurrent compiles of one key build once; an entry whose
 manifest or files do not check out is moved aside and rebuilt with a warning. Prepared weights are stored once per
 model, dtype and layout (weight_store) and hard-linked into every entry that uses them.
+
+What an entry holds is run (generated modules, inductor's and XLA's compiled code), so the cache is
+the user's own (private_dirs: created 0700, refused when another user owns it or may write to it),
+every file but the weights is checked against its manifest checksum at each load, and files the
+manifest does not list (compiled code a session added later) are deleted before a load, to be
+compiled again. A process using an entry holds a shared lock on it (`Lease`); removal takes that
+lock exclusively without waiting and leaves an entry in use where it is.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import time
 import uuid
 import warnings
@@ -27,6 +35,8 @@ from filelock import FileLock
 
 from . import __version__
 from .errors import CacheError
+from .file_locks import SharedLock, try_exclusive
+from .private_dirs import check_private, make_private_dir
 from .weight_store import BLOBS, Blob, Placer, WeightKey, WeightStore
 
 MANIFEST = "manifest.json"
@@ -142,11 +152,23 @@ class CachedArtifact:
                 "last_used": self.last_used, "intact": self.intact, "shared_weights": list(self.shared)}
 
 
+class Lease(SharedLock):
+    """A shared lock on one entry, held while a process may read it (its session's lifetime): removal
+    takes the lock exclusively, so it never pulls an entry out from under a user."""
+
+
+class EntryInUse(CacheError):
+    """A removal found the entry held by a process using it: left in place."""
+
+    default_hint = "stop the processes using it (servers, sessions), then remove it again"
+
+
 @dataclass(frozen=True)
 class Entry:
     path: Path
     hit: bool
     manifest: dict[str, Any]
+    lease: Lease | None = None  # held by whoever loads from the entry
 
 
 class ArtifactCache:
@@ -160,8 +182,9 @@ class ArtifactCache:
 
     def _prepare(self) -> None:
         try:
+            make_private_dir(self.root)
             for sub in ("artifacts", "tmp", "locks", "trash", BLOBS):
-                (self.root / sub).mkdir(parents=True, exist_ok=True)
+                make_private_dir(self.root / sub)
             probe = self.root / "tmp" / f".probe-{uuid.uuid4().hex}"
             probe.touch()
             probe.unlink()
@@ -184,11 +207,29 @@ class ArtifactCache:
                 f = path / name
                 if f.stat().st_size != meta["size"]:
                     raise ValueError(f"{name} has the wrong size")
+                if "sha256" not in meta and _checksummed(f):
+                    raise ValueError(f"{name} has no checksum")  # an older cache's entry: built again
                 if "sha256" in meta and _sha256_file(f) != meta["sha256"]:
                     raise ValueError(f"{name} has the wrong checksum")
         except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
             raise _Damaged(str(e)) from None
         return manifest
+
+    def _vet(self, path: Path, manifest: dict[str, Any]) -> None:
+        """Before a load: every folder and file the user's own and written by nobody else (a link
+        into another folder is refused too), and files the manifest does not list deleted."""
+        listed = set(manifest["files"]) | {MANIFEST}
+        check_private(path)
+        for d, dirs, files in os.walk(path):
+            for name in dirs + files:
+                f = Path(d) / name
+                st = os.lstat(f)
+                if stat.S_ISLNK(st.st_mode):
+                    raise CacheError(f"{f} is a symbolic link; a cache entry holds none",
+                                     hint=f"remove the entry: linnet cache rm {path.name}")
+                check_private(f, st)
+                if not stat.S_ISDIR(st.st_mode) and str(f.relative_to(path)) not in listed:
+                    f.unlink(missing_ok=True)  # compiled after the manifest: unchecked, so compiled again
 
     def _discard(self, path: Path) -> None:
         trash = self.root / "trash" / f"{path.name}-{uuid.uuid4().hex[:8]}"
@@ -199,28 +240,40 @@ class ArtifactCache:
         shutil.rmtree(trash, ignore_errors=True)
 
     def get_or_build(self, key: ArtifactKey, build: Callable[[Path], None], meta: dict[str, Any] | None = None) -> Entry:
-        """The entry for `key`, building it with `build(tmp_folder)` when missing or damaged."""
+        """The entry for `key`, building it with `build(tmp_folder)` when missing or damaged; its
+        `lease` keeps removals away while the caller holds it."""
         self._prepare()
         path = self.artifacts / key.dirname
+        lease = Lease(self._lock_path(key.digest[:32], "use"))
+        try:
+            return self._get_or_build(key, path, build, meta, lease)
+        except BaseException:
+            lease.release()
+            raise
+
+    def _get_or_build(self, key, path, build, meta, lease) -> Entry:
         try:
             manifest = self.check(path, key)
             if manifest is not None:
+                self._vet(path, manifest)
                 self.touch(path)
-                return Entry(path, True, manifest)
+                return Entry(path, True, manifest, lease)
         except _Damaged:
             pass  # rebuilt below, under the lock
-        with FileLock(str(self.root / "locks" / f"{key.digest[:32]}.lock")):
+        with FileLock(str(self._lock_path(key.digest[:32], "lock"))):
             try:
                 manifest = self.check(path, key)
                 if manifest is not None:  # another process built it while we waited
+                    self._vet(path, manifest)
                     self.touch(path)
-                    return Entry(path, True, manifest)
+                    return Entry(path, True, manifest, lease)
             except _Damaged as e:
                 warnings.warn(f"cache entry {path.name} is damaged ({e}); rebuilding it", CacheWarning, stacklevel=2)
                 self._discard(path)
-            self._sweep_tmp()
-            tmp = self.root / "tmp" / f"{key.dirname}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-            tmp.mkdir()
+            self._sweep_tmp(key.digest[:32])
+            # named by the key's lock, held for the whole build: the sweep tells abandoned builds by it
+            tmp = self.root / "tmp" / f"{key.digest[:32]}.{uuid.uuid4().hex[:8]}"
+            tmp.mkdir(mode=0o700)
             try:
                 build(tmp)
                 manifest = self._write_manifest(tmp, key, meta or {})
@@ -228,7 +281,10 @@ class ArtifactCache:
             except BaseException:  # Ctrl-C included: never leave a half entry
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-            return Entry(path, False, manifest)
+            return Entry(path, False, manifest, lease)
+
+    def _lock_path(self, digest: str, kind: str) -> Path:
+        return self.root / "locks" / f"{digest}.{kind}"
 
     def placer(self, key: ArtifactKey) -> Placer:
         """Where an entry's weights come from: the store's one copy for its model, dtype and layout."""
@@ -241,9 +297,8 @@ class ArtifactCache:
         files = {}
         for f in sorted(folder.rglob("*")):
             if f.is_file():
-                size = f.stat().st_size
-                entry: dict[str, Any] = {"size": size}
-                if size <= 16 * 1024 * 1024:  # small files (code, graphs) are checked by content too
+                entry: dict[str, Any] = {"size": f.stat().st_size}
+                if _checksummed(f):  # code and compiled code, whatever their size: checked by content
                     entry["sha256"] = _sha256_file(f)
                 files[str(f.relative_to(folder))] = entry
         manifest = {
@@ -292,15 +347,21 @@ class ArtifactCache:
         return sorted(out, key=lambda e: -e.last_used)
 
     def remove(self, entry: CachedArtifact) -> None:
-        """Delete an entry, under its key's lock so that no build or load of that key is cut short,
-        then the stored weights no other entry uses."""
+        """Delete an entry, under its key's build lock (no build of that key is cut short) and its use
+        lock taken without waiting: an entry a process is using raises EntryInUse and stays. Then
+        the stored weights no other entry uses."""
         self._prepare()
-        lock = self.root / "locks" / f"{entry.digest}.lock" if entry.digest else None
-        if lock is None:
+        if not entry.digest:  # damaged beyond reading its manifest: nothing can be loading it
             self._discard(entry.path)
         else:
-            with FileLock(str(lock)):
-                self._discard(entry.path)
+            with FileLock(str(self._lock_path(entry.digest, "lock"))):
+                fd = try_exclusive(self._lock_path(entry.digest, "use"))
+                if fd is None:
+                    raise EntryInUse(f"{entry.path.name} is in use by a running process; it was left in place")
+                try:
+                    self._discard(entry.path)
+                finally:
+                    os.close(fd)
         self.store.remove_unused()
 
     def freed_with(self, entries: list[CachedArtifact]) -> list[Blob]:
@@ -331,10 +392,20 @@ class ArtifactCache:
             while keep and sum(e.size for e in keep) + self.shared_bytes(keep) > max_bytes:
                 gone.append(keep.pop())  # `entries` is most recent first: the last is least recent
         if not dry_run:
-            for e in gone:
-                self.remove(e)
+            gone = self.remove_all(gone)[0]
             self.store.remove_unused()  # also what a removed entry's crash left unlinked
         return gone
+
+    def remove_all(self, entries: list[CachedArtifact]) -> tuple[list[CachedArtifact], list[CachedArtifact]]:
+        """Remove each entry that no process is using: (removed, left in place because in use)."""
+        removed, in_use = [], []
+        for e in entries:
+            try:
+                self.remove(e)
+                removed.append(e)
+            except EntryInUse:
+                in_use.append(e)
+        return removed, in_use
 
     def touch(self, path: Path) -> None:
         """Record a use (for `cache ls` and pruning by last use)."""
@@ -343,15 +414,23 @@ class ArtifactCache:
         except OSError:
             pass
 
-    def _sweep_tmp(self) -> None:
-        """Remove temporary folders of processes that died mid-build."""
+    def _sweep_tmp(self, held: str) -> None:
+        """Remove temporary folders of builds that ended without finishing. A build holds its key's
+        lock until it is done, so a folder whose lock is free is abandoned, whichever host or
+        container ran it (a PID means nothing across them). `held`: the key whose lock we hold."""
         for t in (self.root / "tmp").iterdir():
-            try:
-                pid = int(t.name.split(".")[-2])
-            except (ValueError, IndexError):
+            digest = t.name.split(".")[0]
+            if not t.is_dir() or len(digest) != 32:
                 continue
-            if pid != os.getpid() and not _alive(pid):
+            if digest == held:  # our own key: its builder, if any, was us
                 shutil.rmtree(t, ignore_errors=True)
+                continue
+            fd = try_exclusive(self._lock_path(digest, "lock"))
+            if fd is not None:
+                try:
+                    shutil.rmtree(t, ignore_errors=True)
+                finally:
+                    os.close(fd)
 
 
 class _Damaged(Exception):
@@ -362,11 +441,6 @@ class CacheWarning(UserWarning):
     pass
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _checksummed(f: Path) -> bool:
+    """Everything but the weights (safetensors: data, read by a parser that runs nothing)."""
+    return f.suffix != ".safetensors"

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from .backends import get_backend
 from .dtypes import FORMATS, normalize_format
-from .cache import ArtifactCache, ArtifactKey, model_identity
+from .cache import ArtifactCache, ArtifactKey, Lease, model_identity
 from .errors import BackendUnavailable, InputError
 from .hub import ResolvedModel, resolve
 from .memory import check_fits
@@ -57,6 +57,7 @@ class Compiled:
     artifact: Path
     hit: bool
     seconds: float
+    lease: Lease | None = field(default=None, repr=False, compare=False)  # keeps `cache rm` off the artifact
 
 
 def open_model(model: str | Path | None, revision: str | None = None) -> Model:
@@ -142,7 +143,7 @@ def compile_model(model: str | Path | Model | None, backend: str = "torch", dtyp
         be.compile(build_graph(m.spec), ckpt, dt, n, out, place=cache.placer(key))
 
     entry = cache.get_or_build(key, build, meta={"source": str(m.path), "model_type": m.spec.model_type})
-    return Compiled(m, be.name, dt, n, entry.path, entry.hit, time.perf_counter() - t0)
+    return Compiled(m, be.name, dt, n, entry.path, entry.hit, time.perf_counter() - t0, entry.lease)
 
 
 def load_model(model: str | Path | Model | None, backend: str = "torch", dtype: str = "auto",
@@ -156,4 +157,5 @@ def load_model(model: str | Path | Model | None, backend: str = "torch", dtype: 
     be = get_backend(compiled.backend)
     check_fits(compiled.model.spec, be, compiled.dtype, compiled.cache_len, rows, device or be.default_device())
     session = be.load(compiled.artifact, rows, device)
+    session.cache_lease = compiled.lease  # held as long as the session is: its files stay while it may read them
     return session, compiled

@@ -46,6 +46,7 @@ class Tokenizer:
     def __init__(self, folder: Path):
         """The tokenizer of a checkpoint folder, or the one a GGUF file carries."""
         self.folder = folder
+        self._compiled_template = None
         if folder.is_file():
             self._from_gguf(folder)
             return
@@ -65,7 +66,12 @@ class Tokenizer:
         elif (folder / "tokenizer.model").is_file():
             from transformers import AutoTokenizer
 
-            self._fallback = AutoTokenizer.from_pretrained(str(folder))
+            # remote code refused: a checkpoint's `auto_map` must neither run code nor prompt on a TTY
+            try:
+                self._fallback = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+            except (ValueError, OSError, ImportError) as e:
+                raise CheckpointError(f"{folder}: the tokenizer cannot be loaded "
+                                      f"({(str(e).splitlines() or [type(e).__name__])[0][:200]})") from None
             self._tok = None
         else:
             raise CheckpointError(f"{folder}: no tokenizer.json or tokenizer.model", hint="pass token ids instead")
@@ -106,27 +112,36 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of `messages` rendered by the checkpoint's template, ready for the reply."""
         if not self.chat_template:
-            raise InputError(f"{self.folder} has no chat template", hint="drop --chat to send the prompt as it is")
+            # no folder in the message: a server sends it to clients
+            raise InputError("the model has no chat template", hint="drop --chat to send the prompt as it is")
         from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        # The environment transformers renders chat templates in, so templates behave the same.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-
-        def raise_exception(message: str):
-            raise InputError(f"the chat template refused the messages: {message}")
-
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
         try:
-            text = env.from_string(self.chat_template).render(
+            text = self._chat_renderer().render(
                 messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
         except TemplateError as e:
             raise InputError(f"the checkpoint's chat template failed to render: {e}") from None
         return self.encode(text, add_special_tokens=False)
+
+    def _chat_renderer(self):
+        """The chat template compiled once (a server renders it for every request)."""
+        if self._compiled_template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            # The environment transformers renders chat templates in, so templates behave the same.
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+
+            def raise_exception(message: str):
+                raise InputError(f"the chat template refused the messages: {message}")
+
+            env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+            self._compiled_template = env.from_string(self.chat_template)
+        return self._compiled_template
 
 
 class IncrementalDecoder:

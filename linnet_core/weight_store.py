@@ -25,10 +25,12 @@ from typing import Any, Callable, Protocol
 from filelock import FileLock
 
 from . import __version__
+from .file_locks import try_exclusive
 from .weights import drop_cached
 
 # Layouts sessions map through weights.Checkpoint (in_huge_pages); ONNX Runtime reads its own.
 MAPPED_LAYOUTS = ("safetensors",)
+TMP_MARK = ".tmp-"  # a blob being written: .{blob}.tmp-{random}
 
 BLOBS = "weights"
 
@@ -105,8 +107,8 @@ class WeightStore:
         blob = self.dir / f"{key.digest[:32]}.{key.layout}"
         with self._lock(blob.name):
             if not self.intact(blob):
-                self._sweep()
-                tmp = self.dir / f".{blob.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+                self._sweep(blob.name)
+                tmp = self.dir / f".{blob.name}{TMP_MARK}{uuid.uuid4().hex[:8]}"
                 try:
                     write(tmp)
                     if key.layout in MAPPED_LAYOUTS:  # sessions map it: read back in 2 MiB pages
@@ -166,15 +168,19 @@ class WeightStore:
             gone.append(b)
         return gone
 
-    def _sweep(self) -> None:
-        """Temporary blobs of processes that died mid-write."""
-        from .cache import _alive
-
+    def _sweep(self, held: str) -> None:
+        """Temporary blobs of writes that ended without finishing: a write holds its blob's lock to
+        the end, so one whose lock is free (or is `held`, ours) is abandoned, whichever host wrote it."""
         for t in self.dir.glob(".*"):
-            stem = t.name.removesuffix(".json")  # .{blob}.{pid}.{random}[.json]
-            try:
-                pid = int(stem.split(".")[-2])
-            except (ValueError, IndexError):
+            name = t.name[1:].split(TMP_MARK)[0]  # .{blob}{TMP_MARK}{random}[.json]
+            if TMP_MARK not in t.name:
                 continue
-            if pid != os.getpid() and not _alive(pid):
+            if name == held:
                 t.unlink(missing_ok=True)
+                continue
+            fd = try_exclusive(self._lock(name).lock_file)
+            if fd is not None:
+                try:
+                    t.unlink(missing_ok=True)
+                finally:
+                    os.close(fd)

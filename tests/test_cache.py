@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from linnet_core.backends import get_backend
-from linnet_core.cache import ArtifactCache, CacheWarning, cache_root
+from linnet_core.cache import ArtifactCache, CacheWarning, EntryInUse, cache_root
 from linnet_core.compile import compile_model
 from linnet_core.errors import CacheError
 from linnet_core.weights import Checkpoint, write_safetensors
@@ -110,11 +110,22 @@ def test_interrupted_build_leaves_nothing(model, cache, monkeypatch):
     assert list((cache.root / "tmp").iterdir()) == []
 
 
-def test_leftovers_of_a_killed_build_are_swept(model, cache):
-    stale = cache.root / "tmp" / "x-torch.999999.deadbeef"
-    stale.mkdir(parents=True)
-    compile_model(model, "torch", "float32", 32, cache=cache)
-    assert not stale.exists()
+def test_leftovers_of_a_killed_build_are_swept_by_their_lock_not_a_pid(model, cache):
+    """A build holds its key's lock to the end: a folder whose lock is free is abandoned; one whose
+    lock is held (a build on another host or container, whose PID means nothing here) stays."""
+    from linnet_core.file_locks import try_exclusive
+
+    stale = cache.root / "tmp" / f"{'a' * 32}.deadbeef"
+    live = cache.root / "tmp" / f"{'b' * 32}.cafef00d"
+    for d in (stale, live):
+        d.mkdir(parents=True)
+    (cache.root / "locks").mkdir(exist_ok=True)
+    held = try_exclusive(cache.root / "locks" / f"{'b' * 32}.lock")  # a builder elsewhere
+    try:
+        compile_model(model, "torch", "float32", 32, cache=cache)
+        assert not stale.exists() and live.exists()
+    finally:
+        os.close(held)
 
 
 def test_two_processes_compiling_one_key_both_succeed(model, tmp_path):
@@ -192,6 +203,7 @@ def test_removing_one_user_keeps_the_others_working(model, cache):
     second = compile_model(model, "torch", "float32", 48, cache=cache)
     entry = next(e for e in cache.entries() if e.path == first.artifact)
     assert cache.freed_with([entry]) == []  # the other entry still uses the weights
+    first.lease.release()  # this process is done with it
     cache.remove(entry)
     assert len(cache.store.blobs()) == 1
     session, again = load_model(model, "torch", "float32", 48, cache=cache)
@@ -199,6 +211,12 @@ def test_removing_one_user_keeps_the_others_working(model, cache):
     assert session.prefill([1, 2, 3]).tokens
     last = next(e for e in cache.entries() if e.path == second.artifact)
     assert [b.path for b in cache.freed_with([last])] == [cache.store.blobs()[0].path]
+    with pytest.raises(EntryInUse):  # the session still reads it
+        cache.remove(last)
+    assert last.path.is_dir()
+    del session
+    again.lease.release()
+    second.lease.release()
     cache.remove(last)
     assert cache.store.blobs() == []  # the last user gone, so are the weights
 

@@ -83,6 +83,8 @@ def _matching(entries, patterns: list[str], backend: str | None, every: bool):
 
     if not (patterns or backend or every):
         raise InputError("say what to remove: entry names or models, --backend, or --all")
+    if any(not p.strip() for p in patterns):  # "" starts every name: it must not mean "everything"
+        raise InputError("an empty name matches nothing", hint="name entries or models, or say --all")
     chosen = []
     for e in entries:
         model_names = (e.model, e.model.rstrip("/").split("/")[-1])
@@ -105,16 +107,21 @@ def cache_rm(
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Remove entries (each under its lock, so a build or load in progress is never cut short)."""
-    from linnet_core.cache import ArtifactCache
+    """Remove entries (each under its locks: a build in progress is waited for, and an entry a running
+    process is using is left in place, said in one line, exit status 1)."""
+    from linnet_core.cache import ArtifactCache, EntryInUse
 
     cache = ArtifactCache()
     chosen = _matching(cache.entries(), names or [], backend, every)
     freed = cache.freed_with(chosen)
+    in_use = []
     if not dry_run:
-        for e in chosen:
-            cache.remove(e)
+        chosen, in_use = cache.remove_all(chosen)
+        freed = [b for b in freed if not b.path.exists()]
     _say_removed(json, quiet, dry_run, chosen, freed)
+    if in_use:
+        raise EntryInUse(f"{len(in_use)} entries are in use by running processes and were left in place: "
+                         f"{', '.join(e.path.name for e in in_use)}")
 
 
 def _say_removed(json: bool, quiet: bool, dry_run: bool, entries, freed) -> None:
@@ -148,8 +155,12 @@ def cache_prune(
     chosen = cache.prune(parse_duration(older_than) if older_than else None,
                          parse_size(max_size) if max_size else None, dry_run=True)
     freed = cache.freed_with(chosen)
+    in_use = []
     if not dry_run:  # exactly what was chosen above, so the line below says what happened
-        for e in chosen:
-            cache.remove(e)
+        chosen, in_use = cache.remove_all(chosen)
         cache.store.remove_unused()
+        freed = [b for b in freed if not b.path.exists()]
     _say_removed(json, quiet, dry_run, chosen, freed)
+    if in_use:  # not an error: a scheduled prune goes on around a running server
+        Sink(json, quiet).info(f"left {len(in_use)} entries in use by running processes: "
+                               f"{', '.join(e.path.name for e in in_use)}")

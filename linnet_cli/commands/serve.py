@@ -23,8 +23,12 @@ def serve_command(
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to listen on.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key", envvar="LINNET_API_KEY", show_envvar=True,
-        help="Require 'Authorization: Bearer KEY' on every route but /health.")] = None,
+        help="Require 'Authorization: Bearer KEY' on every route but /health. Prefer the LINNET_API_KEY "
+             "environment variable: a key on the command line shows in `ps` to every user of the machine.")] = None,
     max_waiting: Annotated[int, typer.Option("--max-waiting", min=1, help="Queued requests before 429.")] = 1024,
+    max_connections: Annotated[Optional[int], typer.Option(
+        "--max-connections", min=1, help="Open connections before uvicorn answers 503 (default: rows + "
+        "--max-waiting + 64, room for /health and /metrics).")] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1,
                                                       help="Largest max_tokens a request may ask for.")] = None,
     prefill_chunk: Annotated[int, typer.Option(
@@ -48,6 +52,7 @@ def serve_command(
     from linnet_core.compile import load_model
     from linnet_core.errors import CheckpointError
     from linnet_core.serve.engine import Engine
+    from linnet_core.serve.fields import prompt_char_limit
     from linnet_core.tokenizer import Tokenizer
 
     sink = Sink(False, quiet)
@@ -57,11 +62,14 @@ def serve_command(
     except CheckpointError:
         tokenizer = None  # token ids only
     served = name or compiled.model.resolved.name.rstrip("/").split("/")[-1]
-    limits = Limits(max_tokens=min(max_tokens or session.cache_len, session.cache_len))
+    limits = Limits(max_tokens=min(max_tokens or session.cache_len, session.cache_len),
+                    max_prompt_chars=prompt_char_limit(session.cache_len))
     engine = Engine(session, tokenizer, prefill_chunk=prefill_chunk, max_waiting=max_waiting)
     app = create_app(Server(engine, tokenizer, served, limits), api_key, drain_timeout)
     sink.info(f"serving '{served}' on http://{host}:{port}/v1 ({compiled.backend}, {compiled.dtype}, {rows} rows of "
               f"{session.cache_len} positions){'; API key required' if api_key else ''}")
     uvicorn.run(app, host=host, port=port, log_level="warning" if not quiet else "error",
-                timeout_graceful_shutdown=int(drain_timeout) + 1, access_log=False)
+                timeout_graceful_shutdown=int(drain_timeout) + 1, access_log=False,
+                limit_concurrency=max_connections or rows + max_waiting + 64, timeout_keep_alive=5,
+                h11_max_incomplete_event_size=64 * 1024)
     os._exit(0)  # the engine thread and backend runtimes are done: skip slow interpreter teardown

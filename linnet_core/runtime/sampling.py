@@ -40,6 +40,17 @@ class Sampler:
     def greedy(self) -> bool:
         return self.params.greedy
 
+    def snapshot(self):
+        """The generator's state, for `restore` (a step that failed and is rerun draws the same)."""
+        return None if self._generator is None else (self._generator, self._generator.get_state())
+
+    def restore(self, state) -> None:
+        if state is None:
+            self._generator = None
+        else:
+            self._generator = state[0]
+            self._generator.set_state(state[1])
+
     def pick(self, logits: torch.Tensor) -> int:
         """Choose a token from logits [V] (on whatever device they live on)."""
         p = self.params
@@ -48,7 +59,10 @@ class Sampler:
         if self._generator is None or self._generator.device != logits.device:
             self._generator = torch.Generator(device=logits.device)
             self._generator.manual_seed(p.seed if p.seed is not None else torch.seed())
-        scores = logits.float() / p.temperature
+        # Relative to the best score, so a tiny temperature sends the rest to -inf, never inf - inf = NaN;
+        # floored at float32's smallest normal, which a Python float below it would round to 0 (0 / 0).
+        scores = logits.float()
+        scores = (scores - scores.max()) / max(p.temperature, torch.finfo(torch.float32).tiny)
         if p.top_k:
             kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))

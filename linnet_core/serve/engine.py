@@ -8,11 +8,18 @@ ragged steps). A prompt's chunk boundaries depend on its own length only. A requ
 finishes, stops or is cancelled frees its row at once. Each row's computation is its own (the
 backends' batched steps are tested row-by-row against the row alone), so a greedy answer does
 not depend on the load.
+
+A fault is contained: a request whose output handling fails ends alone with finish reason "error";
+a step that fails is rerun one row at a time (the samplers' generators rewound first, so no other
+row's seeded stream moves); anything else ends every request in flight and marks the engine
+unhealthy, which `/health` and Triton's readiness report, instead of a dead thread that leaves
+every request hanging.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -25,13 +32,22 @@ from ..runtime.sampling import Sampler, SamplingParams
 from ..runtime.session import Chunk, Session
 from ..runtime.threads import release_openmp_pool
 from ..tokenizer import IncrementalDecoder, Tokenizer
+from .metrics import EngineMetrics, Histogram
 
+log = logging.getLogger("linnet.serve")
+PROBE_EVERY_S = 0.05  # how often a watched request's client is asked whether it has gone (an IPC for Triton)
 
 
 class EngineFull(InputError):
     """Too many requests are waiting; the caller should retry later (HTTP 429)."""
 
     default_hint = "retry later, or raise the server's waiting limit"
+
+
+class EngineUnavailable(InputError):
+    """The engine takes no requests: shutting down, or broken by a fault (HTTP 503)."""
+
+    default_hint = "retry against another replica"
 
 
 @dataclass(frozen=True)
@@ -42,6 +58,18 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+
+    def __post_init__(self):
+        # The engine's thread trusts these types; a face that builds a request wrongly fails here.
+        if not isinstance(self.stop, tuple) or not all(isinstance(x, str) for x in self.stop):
+            raise InputError("stop must be a tuple of strings")
+        if not isinstance(self.stop_token_ids, tuple) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise InputError("stop_token_ids must be a tuple of integers")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise InputError("max_tokens must be an integer")
+        if not isinstance(self.sampling, SamplingParams):
+            raise InputError("sampling must be SamplingParams")
 
 
 @dataclass
@@ -60,14 +88,19 @@ class RequestStats:
     completion_tokens: int = 0
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
-    token_times: list[float] = field(default_factory=list)
+    last_token: float | None = None
+    inter_token: Histogram = field(default_factory=Histogram)  # fixed size, however long the answer
 
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.submitted
 
-    def inter_token_s(self) -> list[float]:
-        return [b - a for a, b in itertools.pairwise(self.token_times)]
+    def token(self, now: float) -> None:
+        if self.first_token is None:
+            self.first_token = now
+        else:
+            self.inter_token.observe(now - self.last_token)
+        self.last_token = now
 
 
 class Handle:
@@ -81,6 +114,14 @@ class Handle:
         self._cancel = threading.Event()
         self._lock = threading.Lock()
         self._callback = None
+        self._gone = None  # a face's "has the client left?" probe
+        self._probed = 0.0
+
+    def watch(self, gone) -> None:
+        """Have the engine ask `gone()` (at most every PROBE_EVERY_S) whether the client has left, so a
+        request still queued is dropped before its prefill (Triton's `is_cancelled`: a queued request
+        sends nothing through which its departure would show)."""
+        self._gone = gone
 
     def subscribe(self, callback) -> None:
         """Deliver every delta (those already produced first) to `callback(delta)` instead of the
@@ -95,6 +136,13 @@ class Handle:
 
     @property
     def cancelled(self) -> bool:
+        if not self._cancel.is_set() and self._gone is not None and time.monotonic() - self._probed > PROBE_EVERY_S:
+            self._probed = time.monotonic()
+            try:
+                if self._gone():
+                    self._cancel.set()
+            except Exception:  # noqa: BLE001 - a probe that fails means the client cannot be reached
+                self._cancel.set()
         return self._cancel.is_set()
 
     def get(self, timeout: float | None = None) -> Delta:
@@ -156,8 +204,16 @@ class Engine:
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = self._abort = False
-        self.metrics = {"requests_total": 0, "requests_finished": 0, "tokens_generated": 0,
-                        "ttft_s": [], "inter_token_s": []}
+        self.failure: str | None = None  # why the engine stopped serving, once a fault broke it
+        self.metrics = EngineMetrics()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None and (self._thread is None or self._thread.is_alive() or self._stopping)
 
     # -- requests ---------------------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:
@@ -176,15 +232,22 @@ class Engine:
     def submit(self, request: GenerationRequest) -> Handle:
         self.validate(request)
         with self._wake:
-            if self._stopping:
-                raise EngineFull("the server is shutting down", hint="retry against another replica")
-            if len(self._waiting) >= self.max_waiting:
-                raise EngineFull(f"{len(self._waiting)} requests are already waiting")
+            self.check_capacity()
             handle = Handle(next(self._ids), request)
             self._waiting.append(handle)
-            self.metrics["requests_total"] += 1
+            with self.metrics.lock:
+                self.metrics.requests_total += 1
             self._wake.notify()
         return handle
+
+    def check_capacity(self) -> None:
+        """Raise what `submit` would for a request now, before a face spends work on one."""
+        if self.failure is not None:
+            raise EngineUnavailable("the engine stopped after an internal fault; the server needs a restart")
+        if self._stopping:
+            raise EngineUnavailable("the server is shutting down")
+        if len(self._waiting) >= self.max_waiting:
+            raise EngineFull(f"{len(self._waiting)} requests are already waiting")
 
     @property
     def waiting(self) -> int:
@@ -209,7 +272,7 @@ class Engine:
         with self._wake:
             for h in [h for h in self._waiting if h.cancelled]:
                 self._waiting.remove(h)
-                h._push(Delta("", [], "cancelled"))
+                self._drop_waiting(h, "cancelled")
             while self._waiting and self._free:
                 row = self._free.pop()
                 self._active[row] = _Active(self._waiting.popleft(), row, self.tokenizer)
@@ -238,24 +301,33 @@ class Engine:
         return out
 
     def _run(self, work: list[tuple[_Active, Chunk]]) -> None:
+        rewind = [a.sampler.snapshot() for a, _ in work]
         try:
             tokens = self.session.step([c for _, c in work])
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
             if len(work) > 1:  # rerun one by one (a step's cache writes are idempotent): only the culprit fails
+                for (a, _), state in zip(work, rewind, strict=True):
+                    a.sampler.restore(state)  # rows the failed step already sampled draw the same again
                 for item in work:
                     self._run([item])
                 return
-            self._finish(work[0][0], "error", f"{type(e).__name__}: {e}")
+            log.error("a step failed for request %d: %s: %s", work[0][0].handle.id, type(e).__name__, e)
+            self._finish(work[0][0], "error", "the model step failed for this request (the server log says why)")
             return
         for (a, chunk), token in zip(work, tokens, strict=True):
-            if len(chunk.ids) == 1 and a.last is not None:  # a decode step
-                a.position += 1
-                self._emit(a, token)
-                continue
-            a.prefilled += len(chunk.ids)
-            if a.prefilled == len(a.handle.request.prompt):
-                a.position = a.prefilled
-                self._emit(a, token)
+            try:
+                if len(chunk.ids) == 1 and a.last is not None:  # a decode step
+                    a.position += 1
+                    self._emit(a, token)
+                    continue
+                a.prefilled += len(chunk.ids)
+                if a.prefilled == len(a.handle.request.prompt):
+                    a.position = a.prefilled
+                    self._emit(a, token)
+            except Exception as e:  # noqa: BLE001 - this request's output failed: it ends, the others go on
+                log.error("request %d failed: %s: %s", a.handle.id, type(e).__name__, e)
+                if a.row in self._active:
+                    self._finish(a, "error", "the server failed to produce this request's output")
 
     def _emit(self, a: _Active, token: int) -> None:
         req, st = a.handle.request, a.handle.stats
@@ -264,10 +336,9 @@ class Engine:
             self._finish(a, "stop")
             return
         st.completion_tokens += 1
-        st.token_times.append(now)
-        if st.first_token is None:
-            st.first_token = now
-        self.metrics["tokens_generated"] += 1
+        st.token(now)
+        with self.metrics.lock:
+            self.metrics.tokens_generated += 1
         a.last = token
         text = a.held + (a.decoder.push(token) if a.decoder else "")
         cut = _first_stop(text, req.stop)
@@ -290,11 +361,12 @@ class Engine:
         with self._wake:
             self._free.append(a.row)
         st = a.handle.stats
-        self.metrics["requests_finished"] += 1
-        if st.ttft_s is not None:
-            self.metrics["ttft_s"].append(st.ttft_s)
-        self.metrics["inter_token_s"] += st.inter_token_s()
+        self.metrics.finished(reason, st.ttft_s, st.inter_token)
         a.handle._push(Delta(tail if reason == "length" else "", [], reason, error))
+
+    def _drop_waiting(self, handle: Handle, reason: str, error: str | None = None) -> None:
+        self.metrics.finished(reason, None, Histogram())
+        handle._push(Delta("", [], reason, error))
 
     # -- a thread of its own ----------------------------------------------------------------
     def start(self) -> Engine:
@@ -311,7 +383,28 @@ class Engine:
                     self._wake.wait()
                 if self._stopping and not self._waiting and not self._active:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - the scheduler itself broke: nothing it holds can go on
+                self._fail(e)
+                return
+
+    def _fail(self, e: Exception) -> None:
+        """End every request in flight or waiting with "error" and refuse new ones (unhealthy)."""
+        log.exception("the engine stopped: %s: %s", type(e).__name__, e)
+        with self._wake:
+            self.failure = f"{type(e).__name__}: {e}"
+            waiting, self._waiting = list(self._waiting), deque()
+        message = "the engine failed (the server log says why)"
+        for a in list(self._active.values()):
+            try:
+                self._finish(a, "error", message)
+            except Exception:  # noqa: BLE001 - its output is what broke: end it without the tail
+                self._active.pop(a.row, None)
+                self._free.append(a.row)
+                a.handle._push(Delta("", [], "error", message))
+        for h in waiting:
+            self._drop_waiting(h, "error", message)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Refuse new requests, let those in flight finish for up to `timeout`, cancel the rest."""

@@ -2,36 +2,41 @@
 
 `POST /v1/completions` and `/v1/chat/completions` (streamed as Server-Sent Events ending with
 `data: [DONE]`), `GET /v1/models`, `/health` and `/metrics` (Prometheus text). Every bad request
-is a 4xx in OpenAI's error shape, never a 500; a client that disconnects cancels its request.
+is a 4xx in OpenAI's error shape, never a 500; a client that disconnects cancels its request,
+streaming or not. A body is refused past its limit before it is read (Content-Length) or while it is
+read (chunked); tokenization and chat templates run off the event loop, after the queue's limit is
+checked, on text capped in characters.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import (
     Request,  # at module level: the handlers' annotations are resolved from here
 )
 
 from ..errors import InputError, LinnetError
-from ..runtime.sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from . import Mailbox
-from .engine import Delta, Engine, EngineFull, GenerationRequest, Handle
+from .engine import Delta, Engine, EngineFull, EngineUnavailable, GenerationRequest, Handle
+from .fields import FieldError, generation_request, parse_json
 
-HISTOGRAM_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+MAX_BATCH = 64  # prompts in one completions request
+RETRY_AFTER_S = 5  # what a shutting-down or broken server tells clients to wait before retrying elsewhere
 
 
 @dataclass(frozen=True)
 class Limits:
     max_body_bytes: int = 1 << 20
     max_tokens: int = 4096
-    default_max_tokens: int = 16
+    default_max_tokens: int = 16  # completions' default, as OpenAI's; chat's is the rest of the context
+    max_prompt_chars: int = 1 << 18  # text longer than this is refused before it is tokenized
 
 
 class ApiError(Exception):
@@ -44,32 +49,6 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def _number(body: dict, name: str, default: float, low: float | None = None, high: float | None = None,
-            integer: bool = False, low_open: bool = False) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'}", name)
-    if low is not None and (value <= low if low_open else value < low):
-        raise ApiError(400, f"'{name}' must be {'>' if low_open else '>='} {low}, got {value}", name)
-    if high is not None and value > high:
-        raise ApiError(400, f"'{name}' must be <= {high}, got {value}", name)
-    return value
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (stop,)
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
-        return tuple(s for s in stop if s)
-    raise ApiError(400, "'stop' must be a string or a list of at most 16 strings", "stop")
 
 
 class Server:
@@ -88,13 +67,31 @@ class Server:
         return self._mailbox
 
     # -- parsing ----------------------------------------------------------------------------
+    async def read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 once it passes the limit: by its Content-Length before any of it
+        is read, or counted while a chunked one arrives."""
+        limit = self.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise ApiError(400, "the Content-Length header is not a number")
+            if int(declared) > limit:
+                raise ApiError(413, f"the body is {int(declared)} bytes; the limit is {limit}")
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise ApiError(413, f"the body is over {limit} bytes; the limit is {limit}")
+            parts.append(part)
+        return b"".join(parts)
+
     def parse(self, raw: bytes) -> dict:
         if len(raw) > self.limits.max_body_bytes:
             raise ApiError(413, f"the body is {len(raw)} bytes; the limit is {self.limits.max_body_bytes}")
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "the body is not valid JSON") from None
+            body = parse_json(raw)
+        except FieldError as e:
+            raise ApiError(400, e.message) from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         model = body.get("model")
@@ -105,37 +102,43 @@ class Server:
             raise ApiError(400, "'stream' must be true or false", "stream")
         return body
 
-    def request(self, body: dict, prompt: list[int]) -> GenerationRequest:
-        max_tokens = _number(body, "max_tokens", self.limits.default_max_tokens, 1, self.limits.max_tokens,
-                             integer=True)
-        if "max_completion_tokens" in body:
-            max_tokens = _number(body, "max_completion_tokens", max_tokens, 1, self.limits.max_tokens, integer=True)
-        ids = body.get("stop_token_ids") or []
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise ApiError(400, "'stop_token_ids' must be a list of integers", "stop_token_ids")
-        ignore_eos = body.get("ignore_eos", False)
-        if not isinstance(ignore_eos, bool):
-            raise ApiError(400, "'ignore_eos' must be true or false", "ignore_eos")
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ApiError(400, "'seed' must be an integer", "seed")
-        sampling = SamplingParams(temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-                                  top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)),
-                                  top_k=int(_number(body, "top_k", 0, 0, integer=True)), seed=seed)
-        return GenerationRequest(prompt, max_tokens, sampling, _stop(body), tuple(ids), ignore_eos)
+    def request(self, body: dict, prompt: list[int], chat: bool = False) -> GenerationRequest:
+        # chat's default max_tokens is the rest of the context, as OpenAI's; completions' is 16
+        default = self.engine.cache_len - len(prompt) if chat else self.limits.default_max_tokens
+        try:
+            return generation_request(body, prompt, default_max_tokens=max(1, min(default, self.limits.max_tokens)),
+                                      max_tokens_limit=self.limits.max_tokens, vocab_size=self.engine.session.vocab_size)
+        except FieldError as e:
+            raise ApiError(400, e.message, e.param) from None
+        except InputError as e:
+            raise ApiError(400, e.message) from None
 
-    def completion_prompt(self, body: dict) -> list[int]:
+    def completion_prompts(self, body: dict) -> list[str | list[int]]:
+        """The request's prompts, still text or already ids: a string, a list of ids, or a batch of
+        either (OpenAI's and vLLM's list of prompts, one choice each)."""
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str) and prompt:
-            return self._encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return prompt
-        raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
-                       "prompt")
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if len(batch) > MAX_BATCH:
+            raise ApiError(400, f"'prompt' holds {len(batch)} prompts; the limit is {MAX_BATCH}", "prompt")
+        for p in batch:
+            if isinstance(p, str) and p:
+                self._check_text(len(p), "prompt")
+                continue
+            if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                continue
+            raise ApiError(400, "'prompt' must be a non-empty string, a list of token ids, or a list of either",
+                           "prompt")
+        return batch
 
-    def chat_prompt(self, body: dict) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        return prompt if isinstance(prompt, list) else self._encode(prompt)
+
+    def _check_text(self, chars: int, param: str) -> None:
+        if chars > self.limits.max_prompt_chars:
+            raise ApiError(400, f"the prompt is {chars} characters; the limit is {self.limits.max_prompt_chars}",
+                           param)
+
+    def chat_messages(self, body: dict) -> list[dict]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "'messages' must be a non-empty list", "messages")
@@ -153,8 +156,12 @@ class Server:
             clean.append({"role": m["role"], "content": content})
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer, so it takes token ids on /v1/completions only")
+        self._check_text(sum(len(m["content"]) for m in clean), "messages")
+        return clean
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
         try:
-            return self.tokenizer.apply_chat_template(clean)
+            return self.tokenizer.apply_chat_template(messages)
         except LinnetError as e:
             raise ApiError(400, e.message, "messages") from None
 
@@ -163,22 +170,33 @@ class Server:
             raise ApiError(400, "this model has no tokenizer: send 'prompt' as a list of token ids", "prompt")
         return self.tokenizer.encode(text)
 
+    def check_capacity(self) -> None:
+        try:
+            self.engine.check_capacity()
+        except (EngineFull, EngineUnavailable) as e:
+            raise _capacity_error(e) from None
+
     def submit(self, request: GenerationRequest) -> Handle:
         try:
             return self.engine.submit(request)
-        except EngineFull as e:
-            raise ApiError(429, e.message, code="rate_limit_exceeded", kind="rate_limit_error") from None
+        except (EngineFull, EngineUnavailable) as e:
+            raise _capacity_error(e) from None
         except InputError as e:
             raise ApiError(400, e.message) from None
 
     # -- responses --------------------------------------------------------------------------
-    def usage(self, handle: Handle) -> dict:
-        st = handle.stats
-        return {"prompt_tokens": st.prompt_tokens, "completion_tokens": st.completion_tokens,
-                "total_tokens": st.prompt_tokens + st.completion_tokens}
+    def usage(self, handles: list[Handle]) -> dict:
+        prompt = sum(h.stats.prompt_tokens for h in handles)
+        completion = sum(h.stats.completion_tokens for h in handles)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def metrics_text(self) -> str:
         e, m = self.engine, self.engine.metrics
+        with m.lock:  # a consistent view; fixed-size histograms, so the lock is held for microseconds
+            counters = (m.requests_total, m.tokens_generated, dict(m.finished_by_reason))
+            histograms = (m.ttft.render("linnet_time_to_first_token_seconds", "Time to first token."),
+                          m.inter_token.render("linnet_inter_token_seconds", "Time between tokens."))
+        total, generated, reasons = counters
         lines = [
             "# HELP linnet_requests_running Requests holding a cache row.", "# TYPE linnet_requests_running gauge",
             f"linnet_requests_running {e.running}",
@@ -188,25 +206,60 @@ class Server:
             f"linnet_rows_in_use {e.running}",
             "# HELP linnet_rows Cache rows.", "# TYPE linnet_rows gauge", f"linnet_rows {e.rows}",
             "# HELP linnet_requests_total Requests accepted.", "# TYPE linnet_requests_total counter",
-            f"linnet_requests_total {m['requests_total']}",
+            f"linnet_requests_total {total}",
+            "# HELP linnet_requests_finished_total Requests ended, by finish reason.",
+            "# TYPE linnet_requests_finished_total counter",
+            *(f'linnet_requests_finished_total{{reason="{r}"}} {n}' for r, n in sorted(reasons.items())),
             "# HELP linnet_generated_tokens_total Tokens generated.", "# TYPE linnet_generated_tokens_total counter",
-            f"linnet_generated_tokens_total {m['tokens_generated']}",
+            f"linnet_generated_tokens_total {generated}",
+            "# HELP linnet_engine_healthy Whether the engine takes requests.", "# TYPE linnet_engine_healthy gauge",
+            f"linnet_engine_healthy {int(e.healthy)}",
         ]
-        for name, values, what in (("linnet_time_to_first_token_seconds", m["ttft_s"], "Time to first token."),
-                                   ("linnet_inter_token_seconds", m["inter_token_s"], "Time between tokens.")):
-            lines += [f"# HELP {name} {what}", f"# TYPE {name} histogram"]
-            for b in HISTOGRAM_BUCKETS:
-                lines.append(f'{name}_bucket{{le="{b}"}} {sum(v <= b for v in values)}')
-            lines += [f'{name}_bucket{{le="+Inf"}} {len(values)}', f"{name}_sum {sum(values)}",
-                      f"{name}_count {len(values)}"]
+        for h in histograms:
+            lines += h
         return "\n".join(lines) + "\n"
 
 
-def _deltas(handle: Handle, mailbox: Mailbox) -> asyncio.Queue:
-    """The handle's deltas, delivered into the event loop from the engine's thread."""
-    q: asyncio.Queue[Delta] = asyncio.Queue()
-    handle.subscribe(lambda d: mailbox.post(q, d))
+def _capacity_error(e: InputError) -> ApiError:
+    if isinstance(e, EngineFull):
+        return ApiError(429, e.message, code="rate_limit_exceeded", kind="rate_limit_error")
+    return ApiError(503, e.message, code="service_unavailable", kind="server_error")
+
+
+def _deltas(handles: list[Handle], mailbox: Mailbox) -> asyncio.Queue:
+    """Every handle's deltas as (index, delta), delivered into the event loop from the engine's thread."""
+    q: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
+    for i, handle in enumerate(handles):
+        handle.subscribe(lambda d, i=i: mailbox.post(q, (i, d)))
     return q
+
+
+async def _until_disconnect(receive) -> None:
+    """Return once the client has gone (the body is read by then, so the next message says so)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class ApiKeyCheck:
+    """ASGI middleware: every route but /health needs 'Authorization: Bearer KEY', compared in
+    constant time. Plain ASGI (not BaseHTTPMiddleware), so disconnects reach the handlers as they are."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                e = ApiError(401, "a valid API key is required (Authorization: Bearer ...)", code="invalid_api_key",
+                             kind="authentication_error")
+                body = json.dumps(e.body()).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(server: Server, api_key: str | None = None, drain_timeout: float = 30.0):
@@ -228,7 +281,8 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e):
@@ -244,17 +298,15 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
         return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}", kind="server_error").body(),
                             status_code=500)
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        if api_key and request.url.path != "/health":
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                e = ApiError(401, "a valid API key is required (Authorization: Bearer ...)", code="invalid_api_key",
-                             kind="authentication_error")
-                return JSONResponse(e.body(), status_code=401)
-        return await call_next(request)
-
     @app.get("/health")
     async def health():
+        engine = server.engine
+        if not engine.healthy:
+            return JSONResponse({"status": "unhealthy", "reason": "the engine stopped after an internal fault"},
+                                status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        if engine.stopping:
+            return JSONResponse({"status": "shutting down"}, status_code=503,
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -267,53 +319,82 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
         return PlainTextResponse(server.metrics_text(), media_type="text/plain; version=0.0.4")
 
     async def generate(request: Request, chat: bool):
-        body = server.parse(await request.body())
-        prompt = server.chat_prompt(body) if chat else server.completion_prompt(body)
-        handle = server.submit(server.request(body, prompt))
-        deltas = _deltas(handle, server.mailbox())
+        body = server.parse(await server.read_body(request))
+        server.check_capacity()  # a full queue refuses before any tokenizing is spent on the request
+        if chat:
+            messages = server.chat_messages(body)
+            prompts = [await asyncio.to_thread(server.render_chat, messages)]
+        else:
+            prompts = [await asyncio.to_thread(server.encode_prompt, p) for p in server.completion_prompts(body)]
+        requests = [server.request(body, p, chat) for p in prompts]
+        handles: list[Handle] = []
+        try:
+            for r in requests:
+                handles.append(server.submit(r))
+        except ApiError:
+            for h in handles:
+                h.cancel()
+            raise
+        deltas = _deltas(handles, server.mailbox())
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
 
-        def choice(text: str, reason: str | None, first: bool = False) -> dict:
+        def cancel_all():
+            for h in handles:
+                h.cancel()
+
+        def choice(index: int, text: str, reason: str | None, first: bool = False) -> dict:
             if not chat:
-                return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+                return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
             delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
 
         if body.get("stream"):
             async def events():
-                first = True
+                started, open_ = set(), len(handles)
                 try:
-                    while True:
-                        d = await deltas.get()
+                    while open_:
+                        i, d = await deltas.get()
                         chunk = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created,
-                                 "model": server.model_name, "choices": [choice(d.text, d.finish_reason, first)]}
-                        first = False
+                                 "model": server.model_name,
+                                 "choices": [choice(i, d.text, d.finish_reason, i not in started)]}
+                        started.add(i)
                         if d.finish_reason is not None:
-                            chunk["usage"] = server.usage(handle)
+                            open_ -= 1
+                            if not open_:
+                                chunk["usage"] = server.usage(handles)
                         yield f"data: {json.dumps(chunk)}\n\n"
-                        if d.finish_reason is not None:
-                            break
                     yield "data: [DONE]\n\n"
-                finally:  # the client left (or the stream ended): free the row
-                    handle.cancel()
+                finally:  # the client left (or the stream ended): free the rows
+                    cancel_all()
 
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, reason = [], None
+        texts: list[list[str]] = [[] for _ in handles]
+        reasons: list[str | None] = [None] * len(handles)
+        gone = asyncio.ensure_future(_until_disconnect(request.receive))
         try:
-            while reason is None:
-                d = await deltas.get()
-                text.append(d.text)
-                reason = d.finish_reason
+            while any(r is None for r in reasons):
+                got = asyncio.ensure_future(deltas.get())
+                await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():  # the client hung up: cancel, and answer no one
+                    got.cancel()
+                    cancel_all()
+                    return None
+                i, d = got.result()
+                texts[i].append(d.text)
+                reasons[i] = d.finish_reason
         finally:
-            handle.cancel()
-        content = "".join(text)
-        out = {"index": 0, "finish_reason": reason, "logprobs": None}
-        out.update({"message": {"role": "assistant", "content": content}} if chat else {"text": content})
-        return {"id": rid, "object": kind, "created": created, "model": server.model_name, "choices": [out],
-                "usage": server.usage(handle)}
+            gone.cancel()
+            cancel_all()
+        choices = []
+        for i, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
+            out = {"index": i, "finish_reason": reason, "logprobs": None}
+            out.update({"message": {"role": "assistant", "content": "".join(text)}} if chat else {"text": "".join(text)})
+            choices.append(out)
+        return {"id": rid, "object": kind, "created": created, "model": server.model_name, "choices": choices,
+                "usage": server.usage(handles)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -323,4 +404,4 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
     async def chat_completions(request: Request):
         return await generate(request, chat=True)
 
-    return app
+    return ApiKeyCheck(app, api_key) if api_key else app

@@ -4,7 +4,11 @@ Decoupled, like the vLLM Triton backend: inputs `text_input`, `max_tokens`, `str
 `sampling_parameters` (JSON); outputs `text_output` and `finish_reason`. `execute()` hands each
 request to the engine and returns at once; the engine's deltas go through a queue to one response
 thread, which sends them (every delta when streaming, the whole text at the end otherwise) and
-cancels a request whose client has gone (`response_sender.is_cancelled()`).
+cancels a request whose client has gone (`response_sender.is_cancelled()`; the engine asks it too
+while the request waits for a row, so a cancelled request is dropped before its prefill). The
+sampling parameters are read by the same code as `linnet serve`'s (serve/fields.py). `is_ready` is
+the engine's health: Triton's model readiness turns false once a fault has stopped the engine
+(python backends from 26.03 ask it; older ones report the stub's liveness only).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ class TritonPythonModel:
         from linnet_core.compile import load_model
         from linnet_core.errors import CheckpointError
         from linnet_core.serve.engine import Engine
+        from linnet_core.serve.fields import prompt_char_limit
         from linnet_core.tokenizer import Tokenizer
 
         config = json.loads(args["model_config"])
@@ -36,40 +41,46 @@ class TritonPythonModel:
         except CheckpointError:
             self.tokenizer = None
         self.engine = Engine(session, self.tokenizer).start()
+        self.max_prompt_chars = prompt_char_limit(session.cache_len)
         self.responses: queue.Queue = queue.Queue()
         self.live: dict[int, tuple] = {}  # handle id -> (handle, sender, stream, collected text)
         self.thread = threading.Thread(target=self._respond, name="linnet-triton-responses", daemon=True)
         self.thread.start()
 
+    def is_ready(self):
+        return self.engine.healthy and not self.engine.stopping
+
     def execute(self, requests):
         from linnet_core.errors import InputError
-        from linnet_core.runtime.sampling import SamplingParams
-        from linnet_core.serve.engine import GenerationRequest
+        from linnet_core.serve.fields import generation_request, parse_json
 
         for request in requests:
             sender = request.get_response_sender()
             try:
-                text = _first(request, "text_input")
-                text = text.decode() if isinstance(text, bytes) else str(text)
-                max_tokens = int(_first(request, "max_tokens", 16))
-                stream = bool(_first(request, "stream", False))
-                raw = _first(request, "sampling_parameters", b"{}")
-                sp = json.loads(raw.decode() if isinstance(raw, bytes) else raw or "{}")
                 if self.tokenizer is None:
                     raise InputError("this model has no tokenizer, so it cannot take text")
-                gen = GenerationRequest(
-                    self.tokenizer.encode(text), int(sp.get("max_tokens", max_tokens)),
-                    SamplingParams(float(sp.get("temperature", 0.0)), float(sp.get("top_p", 1.0)),
-                                   int(sp.get("top_k", 0)), sp.get("seed")),
-                    tuple([sp["stop"]] if isinstance(sp.get("stop"), str) else sp.get("stop") or ()),
-                    tuple(sp.get("stop_token_ids") or ()), bool(sp.get("ignore_eos", False)))
+                text = _first(request, "text_input")
+                text = text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text)
+                if not text or len(text) > self.max_prompt_chars:
+                    raise InputError(f"text_input must hold 1 to {self.max_prompt_chars} characters")
+                raw = _first(request, "sampling_parameters", b"{}")
+                fields = parse_json(raw or b"{}", "sampling_parameters")
+                if not isinstance(fields, dict):
+                    raise InputError("sampling_parameters must be a JSON object")
+                max_tokens = _first(request, "max_tokens", None)
+                if max_tokens is not None and "max_tokens" not in fields:
+                    fields["max_tokens"] = int(max_tokens)
+                self.engine.check_capacity()  # before the text is tokenized
+                gen = generation_request(fields, self.tokenizer.encode(text), default_max_tokens=16,
+                                         max_tokens_limit=self.engine.cache_len,
+                                         vocab_size=self.engine.session.vocab_size, default_temperature=0.0)
                 handle = self.engine.submit(gen)
-            except (InputError, ValueError, TypeError, json.JSONDecodeError) as e:
-                message = getattr(e, "message", str(e))
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)),
+            except InputError as e:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message)),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            self.live[handle.id] = (handle, sender, stream, [])
+            handle.watch(sender.is_cancelled)
+            self.live[handle.id] = (handle, sender, bool(_first(request, "stream", False)), [])
             handle.subscribe(lambda d, hid=handle.id: self.responses.put((hid, d)))
         return None  # decoupled: every response goes through its sender
 
@@ -109,10 +120,18 @@ class TritonPythonModel:
         self.thread.join(timeout=10)
 
 
-def _first(request, name: str, default=None):
+_REQUIRED = object()
+
+
+def _first(request, name: str, default=_REQUIRED):
+    from linnet_core.errors import InputError
+
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     if tensor is None:
-        if default is None:
-            raise ValueError(f"input '{name}' is required")
+        if default is _REQUIRED:
+            raise InputError(f"input '{name}' is required")
         return default
-    return tensor.as_numpy().reshape(-1)[0]
+    values = tensor.as_numpy().reshape(-1)
+    if values.size == 0:
+        raise InputError(f"input '{name}' is empty")
+    return values[0]

@@ -1,0 +1,151 @@
+"""A request's generation fields read in one place for every face (the OpenAI HTTP API, Triton's
+`sampling_parameters`): types, ranges, counts and lengths, so a bad value is a client error naming
+its field, never a fault inside the engine's thread or a NaN in the logits."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from ..errors import InputError
+from ..runtime.sampling import SamplingParams
+from .engine import GenerationRequest
+
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOP_K = 1 << 31
+CHARS_PER_POSITION = 64  # text longer than this per cache position cannot fit a row: refused before tokenizing
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
+
+# OpenAI fields that would change the result, which Linnet does not implement: refused by name, never
+# ignored. Each maps to whether a given value asks for the feature (the neutral values pass).
+UNSUPPORTED = {
+    "n": lambda v: v not in (None, 1),
+    "best_of": lambda v: v not in (None, 1),
+    "logprobs": lambda v: v not in (None, False, 0),
+    "top_logprobs": lambda v: v not in (None, 0),
+    "logit_bias": lambda v: bool(v),
+    "presence_penalty": lambda v: v not in (None, 0),
+    "frequency_penalty": lambda v: v not in (None, 0),
+    "repetition_penalty": lambda v: v not in (None, 1),
+    "tools": lambda v: bool(v),
+    "tool_choice": lambda v: v not in (None, "none"),
+    "functions": lambda v: bool(v),
+    "function_call": lambda v: v not in (None, "none"),
+    "echo": lambda v: bool(v),
+    "suffix": lambda v: bool(v),
+    "response_format": lambda v: v not in (None, {"type": "text"}),
+}
+
+
+class FieldError(InputError):
+    """A request field with a bad value; `param` names it (OpenAI's error `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def parse_json(raw: bytes | str, what: str = "the body") -> Any:
+    """JSON as the standard defines it (no NaN or Infinity); an integer past Python's digit limit or
+    nesting past the parser's recursion limit is a client error too, not a crash."""
+    def refuse_constant(name: str):
+        raise FieldError(f"{what} is not valid JSON: {name} is not a JSON number")
+
+    try:
+        return json.loads(raw, parse_constant=refuse_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise FieldError(f"{what} is not valid JSON") from None
+    except RecursionError:
+        raise FieldError(f"{what} nests too deeply") from None
+    except ValueError:  # an integer past Python's 4,300 digits
+        raise FieldError(f"{what} holds an integer too long to read") from None
+
+
+def prompt_char_limit(cache_len: int) -> int:
+    return CHARS_PER_POSITION * cache_len
+
+
+def refuse_unsupported(fields: dict) -> None:
+    for name, asks in UNSUPPORTED.items():
+        if name in fields and asks(fields[name]):
+            raise FieldError(f"'{name}' is not supported by this server", name)
+
+
+def number(fields: dict, name: str, default: Any, low: float | None = None, high: float | None = None,
+           integer: bool = False, low_open: bool = False) -> Any:
+    """fields[name] (default when absent or null) checked: its type, finite, within [low, high]."""
+    value = fields.get(name, default)
+    if value is None:
+        return default
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise FieldError(f"'{name}' must be {'an integer' if integer else 'a number'}", name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise FieldError(f"'{name}' must be a finite number", name)
+    if low is not None and (value <= low if low_open else value < low):
+        raise FieldError(f"'{name}' must be {'>' if low_open else '>='} {low}, got {_short(value)}", name)
+    if high is not None and value > high:
+        raise FieldError(f"'{name}' must be <= {high}, got {_short(value)}", name)
+    return value
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:10]}...({len(text)} digits)"
+
+
+def flag(fields: dict, name: str, default: bool = False) -> bool:
+    value = fields.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise FieldError(f"'{name}' must be true or false", name)
+    return value
+
+
+def stop_strings(fields: dict) -> tuple[str, ...]:
+    stop = fields.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stops, list) or len(stops) > MAX_STOPS
+            or not all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stops)):
+        raise FieldError(f"'stop' must be a string or a list of at most {MAX_STOPS} strings of at most "
+                         f"{MAX_STOP_CHARS} characters", "stop")
+    return tuple(s for s in stops if s)
+
+
+def stop_token_ids(fields: dict, vocab_size: int) -> tuple[int, ...]:
+    ids = fields.get("stop_token_ids")
+    if ids is None:
+        return ()
+    if (not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS
+            or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids)):
+        raise FieldError(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids in "
+                         f"[0, {vocab_size})", "stop_token_ids")
+    return tuple(ids)
+
+
+def sampling(fields: dict, default_temperature: float = 1.0) -> SamplingParams:
+    seed = number(fields, "seed", None, *SEED_RANGE, integer=True)
+    return SamplingParams(temperature=float(number(fields, "temperature", default_temperature, 0.0, 2.0)),
+                          top_p=float(number(fields, "top_p", 1.0, 0.0, 1.0, low_open=True)),
+                          top_k=int(number(fields, "top_k", 0, 0, MAX_TOP_K, integer=True)), seed=seed)
+
+
+def generation_request(fields: dict, prompt: list[int], *, default_max_tokens: int, max_tokens_limit: int,
+                       vocab_size: int, default_temperature: float = 1.0) -> GenerationRequest:
+    """A GenerationRequest from a face's fields: OpenAI's names (`max_tokens` or
+    `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop`, `stop_token_ids`,
+    `ignore_eos`), every one checked; unsupported features refused by name."""
+    if not isinstance(fields, dict):
+        raise FieldError("the sampling parameters must be a JSON object")
+    refuse_unsupported(fields)
+    max_tokens = number(fields, "max_tokens", default_max_tokens, 1, max_tokens_limit, integer=True)
+    if fields.get("max_completion_tokens") is not None:
+        max_tokens = number(fields, "max_completion_tokens", max_tokens, 1, max_tokens_limit, integer=True)
+    return GenerationRequest(prompt, max_tokens, sampling(fields, default_temperature), stop_strings(fields),
+                             stop_token_ids(fields, vocab_size), flag(fields, "ignore_eos"))
