@@ -6,6 +6,7 @@ with LINNET_DEBUG=1.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -84,11 +85,23 @@ def handle_errors(fn: Callable) -> Callable:
             except Exception as e:  # a bug: still one line unless debugging
                 if _debug():
                     raise
+                if _out_of_space(e):
+                    where = f" on the device of {e.filename}" if getattr(e, "filename", None) else ""
+                    report_error(f"no space left{where}",
+                                 "free some space (`linnet cache prune` frees compiled artifacts), or write elsewhere")
+                    raise typer.Exit(EXIT_FAILURE) from None
                 report_error(f"internal error: {type(e).__name__}: {e}".splitlines()[0],
                              "run again with LINNET_DEBUG=1 for the traceback, and report it")
                 raise typer.Exit(EXIT_FAILURE) from None
 
     return wrapper
+
+
+def _out_of_space(e: BaseException) -> bool:
+    """A full disk or quota, from Python's own writes or a library's (safetensors, ONNX: their text)."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(e) or "Disk quota exceeded" in str(e)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -74,8 +74,12 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str], int]
     data_start = 8 + header_len
     data_len = size - data_start
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: corrupt safetensors header (__metadata__ is not a map of strings)")
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{path}: tensor '{name}' has a malformed header entry")
         try:
             dtype = DTYPES[entry["dtype"]]
             shape = tuple(int(d) for d in entry["shape"])
@@ -90,6 +94,12 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str], int]
                 f"{path}: tensor '{name}' lies past the end of the file (truncated? {data_len:,} data bytes, needs {end:,})"
             )
         tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, end - begin)
+    # Byte ranges may not overlap: two tensors over the same bytes would alias each other (the
+    # safetensors format forbids it; its own parser refuses such files too).
+    spans = sorted((t.start, t.start + t.nbytes, t.name) for t in tensors.values() if t.nbytes)
+    for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
+        if begin_b < end_a:
+            raise CheckpointError(f"{path}: tensors '{a}' and '{b}' overlap in the file's bytes")
     return tensors, metadata, data_start
 
 

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..private_dirs import check_private, make_private_dir
 from ..quant import dequantize, int8_blocks, quantize
 
 SOURCES = [Path(__file__).parent / "kernels" / f for f in (
@@ -250,14 +251,16 @@ def build_dir() -> Path:
 def _build():
     name, build = f"linnet_decode_kernels_{_key()}", build_dir()
     built = build / f"{name}.so"
-    if built.exists():  # the key names the sources, flags and PyTorch: imported as is, without the
+    make_private_dir(build)  # the shared object is imported: a folder others can write is their code
+    check_private(build.parent)
+    if built.exists():
+        check_private(built)  # the key names the sources, flags and PyTorch: imported as is, without the
         try:  # builder, which costs ~0.1 s of imports and a ninja run per process
             return _import(name, built)
         except (ImportError, OSError):  # half-written by a build still running: the builder waits for it
             pass
     from torch.utils.cpp_extension import load
 
-    build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
         warnings.warn("building Linnet's CPU decode kernels for this machine (once, about 100 s)", KernelBuildNotice,
                       stacklevel=2)

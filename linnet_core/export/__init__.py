@@ -31,9 +31,15 @@ class ExportResult:
         return sum(self.files.values())
 
 
-def _refuse_existing(out: Path, force: bool) -> None:
+MARKER = ".linnet-export"  # in every folder Linnet exports: what --force may replace
+
+
+def _refuse_existing(out: Path, force: bool, folder: bool) -> None:
     if out.exists() and not force:
         raise InputError(f"{out} already exists", hint="pass --force to replace it")
+    if folder and out.exists() and not (out / MARKER).is_file() and not (out.is_dir() and not any(out.iterdir())):
+        raise InputError(f"{out} is not a previous Linnet export, so --force will not replace it",
+                         hint="remove it yourself, or choose another output folder")
     if not out.parent.is_dir():
         raise InputError(f"{out.parent} is not a folder")
 
@@ -56,7 +62,7 @@ def _discard(tmp: Path) -> None:
 @contextmanager
 def _staged(out: Path, force: bool, folder: bool) -> Iterator[Path]:
     out = Path(out)
-    _refuse_existing(out, force)
+    _refuse_existing(out, force, folder)
     if not folder and out.is_dir():
         raise InputError(f"{out} is a folder; give the name of the file to write")
     tmp = out.parent / f".{out.name}.linnet-tmp-{uuid.uuid4().hex[:8]}"
@@ -64,6 +70,8 @@ def _staged(out: Path, force: bool, folder: bool) -> Iterator[Path]:
         tmp.mkdir()
     try:
         yield tmp
+        if folder:
+            (tmp / MARKER).write_text("written by linnet export; `--force` replaces this folder\n")
         _move_into_place(tmp, out)
     except BaseException:
         _discard(tmp)
@@ -97,7 +105,8 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
 
 def summarize(out: Path, started: float) -> ExportResult:
     if out.is_dir():
-        files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
+        files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*"))
+                 if p.is_file() and p.name != MARKER}
     else:
         files = {out.name: out.stat().st_size}
     return ExportResult(out, files, time.perf_counter() - started)

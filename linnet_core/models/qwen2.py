@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .decoder import GgufLayout, hf_llama_style_names
-from .spec import ModelSpec, common_spec, windows_from_max_window_layers
+from .spec import ModelSpec, common_spec, positive_int, windows_from_max_window_layers
 
 MODEL_TYPE = "qwen2"
 ALIASES = ()
@@ -12,7 +12,7 @@ GGUF = GgufLayout("qwen2")
 
 
 def parse_config(cfg: dict, model_type: str) -> ModelSpec:
-    windows = windows_from_max_window_layers(cfg, int(cfg["num_hidden_layers"]))
+    windows = windows_from_max_window_layers(cfg, positive_int(cfg, "num_hidden_layers"))
     overrides = {"layer_windows": windows} if windows is not None else {}
     return common_spec(cfg, model_type, MODEL_TYPE, qkv_bias=True, o_bias=False, **overrides)
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..dtypes import normalize_format
-from ..errors import UnsupportedModel
+from ..errors import CheckpointError, UnsupportedModel
 
 # freq_factors: each inverse frequency divided by its own factor, as a GGUF carries llama3 scaling
 # (llama.cpp's rope_freqs tensor); no config.json spells it.
@@ -82,6 +82,17 @@ def require(cfg: dict, *keys: str) -> Any:
     raise UnsupportedModel(f"config.json has no '{keys[0]}'", hint="is this a decoder-only LLM checkpoint?")
 
 
+def positive_int(cfg: dict, *keys: str, default: int | None = None) -> int:
+    """`require` for a count or a size: a positive integer (an integral float such as 32.0 passes,
+    as JSON writers emit them), else the config is refused by name in one line."""
+    value = require(cfg, *keys) if default is None else next(
+        (cfg[k] for k in keys if cfg.get(k) is not None), default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+        raise CheckpointError(f"config.json: '{keys[0]}' must be a positive integer, got {str(value)[:40]}",
+                              hint="the config is damaged or not a model's config")
+    return int(value)
+
+
 def read_dtype(cfg: dict) -> str:
     """The stored weights' format: a float dtype, or a GGUF source's q8_0 / q4_0 blocks."""
     return normalize_format(cfg.get("dtype") or cfg.get("torch_dtype") or "float32") or "float32"
@@ -124,13 +135,13 @@ def read_rope(cfg: dict) -> RopeSpec:
 
 def read_windows(cfg: dict, num_layers: int) -> tuple[int | None, ...]:
     """Sliding window per layer, from `layer_types` when present, else from `sliding_window`."""
-    window = cfg.get("sliding_window")
+    window = positive_int(cfg, "sliding_window") if cfg.get("sliding_window") is not None else None
     layer_types = cfg.get("layer_types")
     if layer_types:
         return tuple(window if t == "sliding_attention" else None for t in layer_types[:num_layers])
     if not window or cfg.get("use_sliding_window") is False:
         return (None,) * num_layers
-    return (int(window),) * num_layers
+    return (window,) * num_layers
 
 
 def windows_from_max_window_layers(cfg: dict, num_layers: int) -> tuple[int | None, ...] | None:
@@ -141,7 +152,8 @@ def windows_from_max_window_layers(cfg: dict, num_layers: int) -> tuple[int | No
     if not cfg.get("use_sliding_window"):
         return (None,) * num_layers
     first = int(cfg.get("max_window_layers", num_layers))
-    return tuple(int(cfg["sliding_window"]) if i >= first else None for i in range(num_layers))
+    window = positive_int(cfg, "sliding_window")
+    return tuple(window if i >= first else None for i in range(num_layers))
 
 
 def read_eos(cfg: dict) -> tuple[int, ...]:
@@ -153,22 +165,22 @@ def read_eos(cfg: dict) -> tuple[int, ...]:
 
 def common_spec(cfg: dict, model_type: str, family: str, **overrides: Any) -> ModelSpec:
     """The fields every supported family reads the same way; families override the rest."""
-    hidden = int(require(cfg, "hidden_size"))
-    heads = int(require(cfg, "num_attention_heads"))
-    layers = int(require(cfg, "num_hidden_layers"))
+    hidden = positive_int(cfg, "hidden_size")
+    heads = positive_int(cfg, "num_attention_heads")
+    layers = positive_int(cfg, "num_hidden_layers")
     fields: dict[str, Any] = dict(
         model_type=model_type,
         family=family,
-        vocab_size=int(require(cfg, "vocab_size")),
+        vocab_size=positive_int(cfg, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(require(cfg, "intermediate_size")),
+        intermediate_size=positive_int(cfg, "intermediate_size"),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        num_kv_heads=positive_int(cfg, "num_key_value_heads", default=heads),
+        head_dim=positive_int(cfg, "head_dim", default=max(1, hidden // heads)),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope=read_rope(cfg),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        max_position_embeddings=positive_int(cfg, "max_position_embeddings", default=2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         layer_windows=read_windows(cfg, layers),
         hidden_act=str(cfg.get("hidden_act", "silu")),
