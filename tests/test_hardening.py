@@ -235,3 +235,61 @@ def test_a_tokenizer_that_needs_the_checkpoints_code_is_refused_without_running_
     with pytest.raises(CheckpointError, match="cannot be loaded"):
         Tokenizer(tmp_path)
     assert not (tmp_path / "ran").exists()
+
+
+CHURN = """
+import random, sys, time, traceback
+from linnet_core.cache import ArtifactCache
+from linnet_core.compile import compile_model, load_model
+from linnet_core.errors import CacheError
+
+model, root, seed, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+rng, cache, counts = random.Random(seed), ArtifactCache(root), {"compile": 0, "load": 0, "prune": 0, "refused": 0}
+deadline = time.time() + seconds
+try:
+    while time.time() < deadline:
+        action, n = rng.choice(["compile", "load", "load", "prune"]), rng.choice([32, 48])
+        try:
+            if action == "compile":
+                compile_model(model, "torch", "float32", n, cache=cache)
+            elif action == "load":
+                session, _ = load_model(model, "torch", "float32", n, cache=cache)
+                assert session.prefill([1, 2, 3]).tokens
+                del session
+            else:
+                cache.prune(max_bytes=1)
+        except CacheError as e:  # the one-line refusals a user would see, never a traceback
+            assert "in use" in e.message or "being removed" in e.message, e.message
+            counts["refused"] += 1
+        counts[action] += 1
+except Exception:
+    traceback.print_exc()
+    sys.exit(1)
+print(counts)
+"""
+
+
+@pytest.mark.slow
+def test_four_processes_compiling_loading_and_pruning_the_same_keys(model, tmp_path):
+    root = tmp_path / "shared"
+    procs = [subprocess.Popen([sys.executable, "-c", CHURN, str(model), str(root), str(i), "60"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+    outs = [p.communicate(timeout=400) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0 and "Traceback" not in err, err[-3000:]
+    counts = [eval(out.strip().splitlines()[-1]) for out, _ in outs]  # noqa: S307 - our own subprocess's dict
+    assert sum(c["load"] for c in counts) > 20 and sum(c["prune"] for c in counts) > 5, counts
+    cache = ArtifactCache(root)
+    assert all(e.intact for e in cache.entries())  # nothing half-built left behind
+    assert list((root / "tmp").iterdir()) == []
+    for e in cache.entries():
+        assert cache.check(e.path, _key_of(e)) is not None
+
+
+def _key_of(entry):
+    """The ArtifactKey an entry was built for, read back from its manifest (to check it in full)."""
+    from linnet_core.cache import ArtifactKey
+
+    m = json.loads((entry.path / "manifest.json").read_text())
+    return ArtifactKey(m["model"], m["identity"], m["backend"], m["dtype"], int(m["cache_len"]),
+                       tuple(sorted(m["toolchain"].items())))

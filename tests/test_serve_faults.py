@@ -298,3 +298,51 @@ def test_malformed_requests_are_refused_where_they_are_built():
         with pytest.raises(Exception) as e:
             GenerationRequest(**kwargs)
         assert type(e.value).__name__ == "InputError"
+
+
+def test_a_watched_request_whose_client_left_is_dropped_before_its_prefill(sessions):
+    """Triton's face: a queued request sends nothing through which a departure would show, so the
+    engine asks the face's probe while the request waits, and drops it before any prefill."""
+    session, alone, tok = sessions
+    engine = Engine(session, tok, prefill_chunk=32)
+    busy = [engine.submit(GenerationRequest(tok.encode("Once"), 40, ignore_eos=True)) for _ in range(4)]
+    gone = {"now": False}
+    queued = engine.submit(GenerationRequest(tok.encode("The list"), 40, ignore_eos=True))
+    queued.watch(lambda: gone["now"])
+    for _ in range(3):
+        engine.step()
+    assert queued not in [a.handle for a in engine._active.values()]  # all 4 rows are busy
+    gone["now"] = True
+    time.sleep(0.06)  # the probe is asked at most every 50 ms
+    engine.step()
+    assert queued.get(timeout=1).finish_reason == "cancelled" and queued.stats.first_token is None
+    while not engine.idle():
+        engine.step()
+    assert all(h.result()[2] == "length" for h in busy)
+
+
+def test_the_official_openai_client(served):
+    """What a user of the `openai` package does, unchanged: completions (one prompt and a batch),
+    chat, streaming, and a refused feature as the client's BadRequestError naming the field."""
+    openai = pytest.importorskip("openai")
+    url, engine, alone, tok = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    one = client.completions.create(model="tiny", prompt="The list object", max_tokens=5, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert one.choices[0].text == tok.decode(alone_ids(alone, tok.encode("The list object"), 5))
+    batch = client.completions.create(model="tiny", prompt=["The list object", "Hello"], max_tokens=5,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == one.choices[0].text
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert chat.choices[0].message.content == tok.decode(alone_ids(alone, ids, 4))
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", n=2)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()

@@ -102,3 +102,83 @@ def test_bad_requests_are_errors_not_crashes(triton):
                    timeout=60)
     assert r.status_code >= 400 and "max_tokens" in r.text
     assert httpx.get(f"{url}/v2/health/ready").status_code == 200
+
+
+def _post(url, text, sampling, max_tokens=4, stream=False, model="tiny"):
+    body = {"text_input": text, "max_tokens": max_tokens, "stream": stream,
+            "sampling_parameters": sampling if isinstance(sampling, str) else json.dumps(sampling)}
+    return httpx.post(f"{url}/v2/models/{model}/generate", json=body, timeout=60)
+
+
+@pytest.mark.parametrize("sampling,text", [
+    ({"stop": [1]}, "'stop'"),  # once reached str.find in the engine's thread and killed it
+    ({"stop_token_ids": ["a"]}, "'stop_token_ids'"),
+    ('{"temperature": NaN}', "NaN is not a JSON number"),
+    ({"seed": 2 ** 70}, "'seed' must be <="),
+    ({"n": 2}, "'n' is not supported"),
+    ({"temperature": "hot"}, "'temperature' must be a number"),
+    ('{"a": ' + "[" * 3000 + "]" * 3000 + "}", "nests too deeply"),
+    ("[1, 2]", "must be a JSON object"),
+])
+def test_bad_sampling_parameters_are_errors_and_the_engine_lives_on(triton, sampling, text):
+    url, path, _ = triton
+    r = _post(url, "The list", sampling)
+    assert r.status_code >= 400 and text in r.text, r.text
+    ok = _post(url, "The list object", {"ignore_eos": True}, max_tokens=6)
+    assert ok.status_code == 200 and ok.json()["text_output"] == _alone(path, "The list object", 6)
+    assert httpx.get(f"{url}/v2/models/tiny/ready").status_code == 200
+
+
+def test_a_smaller_soak_with_drops_and_bad_requests(triton):
+    """80 requests at 8 in flight over the 4 rows: 30% of clients leave mid-stream, 10% send bad
+    sampling parameters; the rest get the answer each gets alone; queued ones that left never ran."""
+    import asyncio
+    import random
+
+    url, path, log = triton
+    rng = random.Random(7)
+    texts = ["The list object", "Hello there", "Why", "Once upon a time"]
+    alone = {(t, n): _alone(path, t, n) for t in texts for n in (3, 9)}
+    jobs = []
+    for _ in range(80):
+        roll = rng.random()
+        jobs.append({"kind": "bad" if roll < 0.1 else "leave" if roll < 0.4 else "whole",
+                     "text": rng.choice(texts), "n": rng.choice((3, 9))})
+
+    async def one(client, sem, job):
+        async with sem:
+            sampling = {"stop": [7]} if job["kind"] == "bad" else {"ignore_eos": True}
+            body = {"text_input": job["text"], "max_tokens": 60 if job["kind"] == "leave" else job["n"],
+                    "stream": True, "sampling_parameters": json.dumps(sampling)}
+            async with client.stream("POST", f"{url}/v2/models/tiny/generate_stream", json=body) as r:
+                if job["kind"] == "bad":
+                    await r.aread()
+                    return r.status_code, None
+                parts = []
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    event = json.loads(line[6:])
+                    parts.append(event.get("text_output", ""))
+                    if job["kind"] == "leave" and len(parts) >= 2:
+                        return r.status_code, None  # hang up
+                return r.status_code, "".join(parts)
+
+    async def run():
+        sem = asyncio.Semaphore(8)
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, sem, j) for j in jobs))
+
+    results = asyncio.run(run())
+    for job, (status, text) in zip(jobs, results, strict=True):
+        if job["kind"] == "bad":
+            assert status >= 400
+        elif job["kind"] == "whole":
+            assert status == 200 and text == alone[(job["text"], job["n"])], job
+    deadline = time.time() + 30
+    while log.read_text().count("cancelled by its client") < sum(j["kind"] == "leave" for j in jobs) \
+            and time.time() < deadline:
+        time.sleep(0.2)
+    assert log.read_text().count("cancelled by its client") >= sum(j["kind"] == "leave" for j in jobs)
+    assert httpx.get(f"{url}/v2/models/tiny/ready").status_code == 200
+

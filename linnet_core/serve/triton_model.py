@@ -92,12 +92,14 @@ class TritonPythonModel:
             hid, delta = item
             handle, sender, stream, collected = self.live[hid]
             if delta.finish_reason is None and sender.is_cancelled():
-                if not handle.cancelled:
-                    pb_utils.Logger.log_info(f"linnet: request {hid} cancelled by its client; its row is freed")
                 handle.cancel()  # the client has gone: free the row
                 continue
             collected.append(delta.text)
             final = delta.finish_reason is not None
+            if final and delta.finish_reason == "cancelled":
+                when = ("before its prefill" if handle.stats.first_token is None
+                        else f"after {handle.stats.completion_tokens} tokens")
+                pb_utils.Logger.log_info(f"linnet: request {hid} cancelled by its client {when}; its row is freed")
             try:
                 if final and handle.cancelled:
                     sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # closes it, says nothing
