@@ -111,6 +111,10 @@ def test_existing_out_is_refused_and_force_replaces(tokenized_checkpoints, tmp_p
     r = invoke("export", "hf", src, out)
     assert_one_line_error(r, 1, "already exists")
     assert (out / "keep.txt").read_text() == "mine"
+    r = invoke("export", "hf", src, out, "--force")  # not an earlier export: someone's work, kept
+    assert_one_line_error(r, 1, "not a previous Linnet export")
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / ".linnet-export").write_text("")  # as an earlier export leaves it
     r = invoke("export", "hf", src, out, "--force", "--json")
     assert r.exit_code == 0, r.stderr
     data = json.loads(r.stdout)
