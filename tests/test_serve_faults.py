@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
+import sys
 import time
 
 import pytest
@@ -17,11 +17,11 @@ uvicorn = pytest.importorskip("uvicorn")
 from linnet_core.compile import load_model  # noqa: E402
 from linnet_core.runtime.generate import Generation  # noqa: E402
 from linnet_core.runtime.sampling import Sampler, SamplingParams  # noqa: E402
-from linnet_core.serve import free_port  # noqa: E402
 from linnet_core.serve.engine import Engine, EngineUnavailable, GenerationRequest  # noqa: E402
 from linnet_core.serve.http import Limits, Server, create_app  # noqa: E402
 from linnet_core.serve.metrics import Histogram  # noqa: E402
 from linnet_core.tokenizer import Tokenizer  # noqa: E402
+from server_fixtures import app_in_thread  # noqa: E402
 
 CASE = "qwen2-bias-tied"
 CACHE = 128
@@ -37,25 +37,16 @@ def sessions(tokenized_checkpoints):
     return session, alone, Tokenizer(path)
 
 
-def run_server(engine, tok, limits=Limits(max_tokens=CACHE, max_body_bytes=16 * 1024, max_prompt_chars=4000)):
-    app = create_app(Server(engine, tok, "tiny", limits), api_key=KEY)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    return f"http://127.0.0.1:{port}", server, thread
+def serving(engine, tok, limits=Limits(max_tokens=CACHE, max_body_bytes=16 * 1024, max_prompt_chars=4000)):
+    return app_in_thread(create_app(Server(engine, tok, "tiny", limits), api_key=KEY))
 
 
 @pytest.fixture(scope="module")
 def served(sessions):
     session, alone, tok = sessions
     engine = Engine(session, tok, prefill_chunk=32, max_waiting=64)
-    url, server, thread = run_server(engine, tok)
-    yield url, engine, alone, tok
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(engine, tok) as url:
+        yield url, engine, alone, tok
 
 
 def alone_ids(alone, prompt, n, sampling=None):
@@ -259,8 +250,7 @@ def test_a_failing_step_does_not_move_other_rows_seeded_streams(sessions):
 def test_a_broken_scheduler_ends_every_request_and_reports_unhealthy(sessions):
     session, alone, tok = sessions
     engine = Engine(session, tok, prefill_chunk=32)
-    url, server, thread = run_server(engine, tok)
-    try:
+    with serving(engine, tok) as url:
         assert httpx.get(f"{url}/health").status_code == 200
         engine._prompt_chunks = lambda: (_ for _ in ()).throw(RuntimeError("scheduler bug"))
         r = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": "The list", "max_tokens": 4},
@@ -273,23 +263,16 @@ def test_a_broken_scheduler_ends_every_request_and_reports_unhealthy(sessions):
         assert "linnet_engine_healthy 0" in httpx.get(f"{url}/metrics", headers=AUTH).text
         with pytest.raises(EngineUnavailable):
             engine.submit(GenerationRequest(tok.encode("x"), 2))
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def test_shutting_down_answers_503_with_retry_after(sessions):
     session, alone, tok = sessions
     engine = Engine(session, tok, prefill_chunk=32)
-    url, server, thread = run_server(engine, tok)
-    try:
+    with serving(engine, tok) as url:
         engine.stop(timeout=1)
         r = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": "The list"})
         assert r.status_code == 503 and r.headers["retry-after"] and "shutting down" in r.json()["error"]["message"]
         assert httpx.get(f"{url}/health").status_code == 503
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def test_malformed_requests_are_refused_where_they_are_built():
@@ -346,3 +329,24 @@ def test_the_official_openai_client(served):
     assert e.value.body["param"] == "n"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_triton_model_readiness_follows_the_engine(tokenized_checkpoints, tmp_path, monkeypatch):
+    """The Triton model's `is_ready` (asked by Python backends from 26.03 on; the tritonserver the tests
+    run predates it) is the engine's health: false once a fault has stopped the engine."""
+    import importlib
+    import types
+
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
+    monkeypatch.setenv("LINNET_CACHE", str(tmp_path / "cache"))
+    triton_model = importlib.import_module("linnet_core.serve.triton_model")
+    params = {"linnet_model": str(tokenized_checkpoints[CASE]), "linnet_backend": "torch",
+              "linnet_dtype": "float32", "linnet_rows": "2", "linnet_cache_len": "64"}
+    model = triton_model.TritonPythonModel()
+    model.initialize({"model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in params.items()}})})
+    try:
+        assert model.is_ready()
+        model.engine._fail(RuntimeError("injected"))
+        assert not model.is_ready()
+    finally:
+        model.finalize()

@@ -23,6 +23,7 @@ from linnet_core.serve import free_port  # noqa: E402
 from linnet_core.serve.engine import Engine  # noqa: E402
 from linnet_core.serve.http import Limits, Server, create_app  # noqa: E402
 from linnet_core.tokenizer import Tokenizer  # noqa: E402
+from server_fixtures import app_in_thread, wait_healthy  # noqa: E402
 
 CASE = "qwen2-bias-tied"
 CACHE = 128
@@ -38,15 +39,8 @@ def served(tokenized_checkpoints):
     tok = Tokenizer(path)
     engine = Engine(session, tok, prefill_chunk=32, max_waiting=512)
     app = create_app(Server(engine, tok, "tiny", Limits(max_tokens=CACHE, max_body_bytes=64 * 1024)), api_key=KEY)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", engine, alone, tok
-    server.should_exit = True
-    thread.join(timeout=30)
+    with app_in_thread(app) as url:
+        yield url, engine, alone, tok
 
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -206,13 +200,7 @@ def test_sigterm_drains_and_exits(tokenized_checkpoints, tmp_path):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        assert wait_healthy(url), proc.stderr.read() if proc.poll() is not None else "no answer"
         results = []
 
         def request():

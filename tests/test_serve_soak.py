@@ -25,6 +25,7 @@ from linnet_core.compile import load_model  # noqa: E402
 from linnet_core.runtime.generate import Generation  # noqa: E402
 from linnet_core.serve import free_port  # noqa: E402
 from linnet_core.tokenizer import Tokenizer  # noqa: E402
+from server_fixtures import wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -56,14 +57,8 @@ class Server:
             [sys.executable, "-m", "linnet_cli", "serve", str(self.model), "--port", str(self.port), "--rows", str(ROWS),
              "--cache-len", str(CACHE_LEN), "--prefill-chunk", "32", "--drain-timeout", "20", "--max-waiting", "256"],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise AssertionError(f"the server did not come up: {self.proc.stderr.read()[-2000:]}")
+        if not wait_healthy(self.url, 180):
+            raise AssertionError(f"the server did not come up: {self.proc.stderr.read()[-2000:]}")
 
     @property
     def url(self):

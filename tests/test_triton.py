@@ -22,6 +22,15 @@ HOME = Path(os.environ.get("LINNET_TRITON_HOME", Path.home() / ".cache" / "linne
 CASE = "qwen2-bias-tied"
 
 
+class Served(tuple):
+    """(HTTP url, checkpoint, log), and the gRPC port."""
+
+    def __new__(cls, items, grpc_port: int):
+        self = super().__new__(cls, items)
+        self.grpc_port = grpc_port
+        return self
+
+
 @pytest.fixture(scope="module")
 def triton(tokenized_checkpoints, tmp_path_factory):
     from linnet_core.errors import InputError
@@ -37,10 +46,10 @@ def triton(tokenized_checkpoints, tmp_path_factory):
     quantized = repo.parent / "quantized"  # a second model of the same repository: 4-bit weights
     export_triton(tokenized_checkpoints[CASE], quantized, "torch", "q4_0", rows=4, cache_len=96, name="tiny-q4", env=env)
     (quantized / "tiny-q4").rename(repo / "tiny-q4")
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     log = repo.parent / "triton.log"
-    proc = launch_local_triton(repo, server, port, log)
-    yield f"http://127.0.0.1:{port}", tokenized_checkpoints[CASE], log
+    proc = launch_local_triton(repo, server, port, log, grpc_port=grpc_port)
+    yield Served((f"http://127.0.0.1:{port}", tokenized_checkpoints[CASE], log), grpc_port=grpc_port)
     proc.terminate()
     proc.wait(timeout=60)
 
@@ -182,3 +191,81 @@ def test_a_smaller_soak_with_drops_and_bad_requests(triton):
     assert log.read_text().count("cancelled by its client") >= sum(j["kind"] == "leave" for j in jobs)
     assert httpx.get(f"{url}/v2/models/tiny/ready").status_code == 200
 
+
+
+@pytest.fixture(scope="module")
+def grpc_client_site():
+    """tritonclient[grpc] installed apart (pip --target, as the server is): its protobuf pin must not
+    meet the test environment's. Skips, saying why, where pip cannot fetch it."""
+    import subprocess
+    import sys
+
+    site = HOME / "client"
+    if not (site / "tritonclient").is_dir():
+        try:
+            subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(site),
+                            "tritonclient[grpc]"], check=True, capture_output=True, timeout=900)
+        except (subprocess.SubprocessError, OSError) as e:
+            pytest.skip(f"cannot install tritonclient[grpc] for the gRPC client: {e}")
+    return site
+
+
+GRPC_CLIENT = """
+import sys, time
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+port, n_busy, n_left = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+def inputs(text, max_tokens):
+    values = [("text_input", np.array([text.encode()], dtype=np.object_), "BYTES"),
+              ("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
+              ("stream", np.array([True]), "BOOL"),
+              ("sampling_parameters", np.array([b'{"ignore_eos": true}'], dtype=np.object_), "BYTES")]
+    out = []
+    for name, value, kind in values:
+        t = grpcclient.InferInput(name, list(value.shape), kind)
+        t.set_data_from_numpy(value)
+        out.append(t)
+    return out
+
+finals = []
+def on_busy(result, error):
+    if error is None and result.as_numpy("finish_reason")[0]:
+        finals.append(1)
+
+busy = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+busy.start_stream(callback=on_busy)
+for i in range(n_busy):
+    busy.async_stream_infer("tiny", inputs("Once", 90), request_id=f"busy-{i}")
+time.sleep(0.2)
+left = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+left.start_stream(callback=lambda result, error: None)
+for i in range(n_left):
+    left.async_stream_infer("tiny", inputs("The list", 50), request_id=f"left-{i}")
+time.sleep(0.2)
+left.stop_stream(cancel_requests=True)  # the client leaves while its requests wait for rows
+deadline = time.time() + 120
+while len(finals) < n_busy and time.time() < deadline:
+    time.sleep(0.05)
+busy.stop_stream()
+print(len(finals))
+"""
+
+
+def test_a_queued_request_cancelled_over_grpc_never_runs(triton, grpc_client_site):
+    """Rows busy with long answers; a gRPC client's requests queued behind them, then cancelled: the
+    engine asks Triton's is_cancelled while they wait and drops them before their prefill."""
+    import subprocess
+    import sys
+
+    url, _, log = triton
+    before = log.read_text().count("before its prefill")
+    env = {**os.environ, "PYTHONPATH": str(grpc_client_site)}
+    r = subprocess.run([sys.executable, "-c", GRPC_CLIENT, str(triton.grpc_port), "16", "3"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "16", r.stderr[-3000:]
+    deadline = time.time() + 30
+    while log.read_text().count("before its prefill") < before + 3 and time.time() < deadline:
+        time.sleep(0.2)
+    assert log.read_text().count("before its prefill") == before + 3, log.read_text()[-3000:]

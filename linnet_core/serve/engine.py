@@ -400,8 +400,8 @@ class Engine:
             try:
                 self._finish(a, "error", message)
             except Exception:  # noqa: BLE001 - its output is what broke: end it without the tail
-                self._active.pop(a.row, None)
-                self._free.append(a.row)
+                if self._active.pop(a.row, None) is not None:
+                    self._free.append(a.row)
                 a.handle._push(Delta("", [], "error", message))
         for h in waiting:
             self._drop_waiting(h, "error", message)

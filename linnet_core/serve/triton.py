@@ -97,8 +97,10 @@ def prepare_local_triton(home: Path) -> tuple[Path, Path]:
     return server, env
 
 
-def launch_local_triton(repo: Path, server: Path, port: int, log: Path, timeout: float = 300):
-    """Start tritonserver on `repo` (HTTP on `port`); returns the process once the repository is ready."""
+def launch_local_triton(repo: Path, server: Path, port: int, log: Path, timeout: float = 300,
+                        grpc_port: int | None = None):
+    """Start tritonserver on `repo` (HTTP on `port`, gRPC on `grpc_port` or a free one); returns the
+    process once the repository is ready."""
     import os
     import subprocess
 
@@ -110,7 +112,7 @@ def launch_local_triton(repo: Path, server: Path, port: int, log: Path, timeout:
     with open(log, "w") as out:
         proc = subprocess.Popen([str(server / "bin" / "tritonserver"), f"--model-repository={repo}",
                                  f"--backend-directory={server / 'backends'}", f"--http-port={port}",
-                                 f"--grpc-port={free_port()}", f"--metrics-port={free_port()}", "--disable-auto-complete-config"],
+                                 f"--grpc-port={grpc_port or free_port()}", f"--metrics-port={free_port()}", "--disable-auto-complete-config"],
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
