@@ -172,9 +172,9 @@ class WeightStore:
         """Temporary blobs of writes that ended without finishing: a write holds its blob's lock to
         the end, so one whose lock is free (or is `held`, ours) is abandoned, whichever host wrote it."""
         for t in self.dir.glob(".*"):
-            name = t.name[1:].split(TMP_MARK)[0]  # .{blob}{TMP_MARK}{random}[.json]
             if TMP_MARK not in t.name:
                 continue
+            name = t.name[1:].split(TMP_MARK)[0]  # .{blob}{TMP_MARK}{random}[.json]
             if name == held:
                 t.unlink(missing_ok=True)
                 continue

@@ -65,13 +65,9 @@ class TritonPythonModel:
                     raise InputError(f"text_input must hold 1 to {self.max_prompt_chars} characters")
                 raw = _first(request, "sampling_parameters", b"{}")
                 fields = parse_json(raw or b"{}", "sampling_parameters")
-                if not isinstance(fields, dict):
-                    raise InputError("sampling_parameters must be a JSON object")
-                max_tokens = _first(request, "max_tokens", None)
-                if max_tokens is not None and "max_tokens" not in fields:
-                    fields["max_tokens"] = int(max_tokens)
+                max_tokens = _first(request, "max_tokens", 16)  # sampling_parameters' max_tokens wins
                 self.engine.check_capacity()  # before the text is tokenized
-                gen = generation_request(fields, self.tokenizer.encode(text), default_max_tokens=16,
+                gen = generation_request(fields, self.tokenizer.encode(text), default_max_tokens=int(max_tokens),
                                          max_tokens_limit=self.engine.cache_len,
                                          vocab_size=self.engine.session.vocab_size, default_temperature=0.0)
                 handle = self.engine.submit(gen)
