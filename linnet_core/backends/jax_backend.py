@@ -9,6 +9,7 @@ first buckets at compile time, so a warm load does not compile them again.
 
 from __future__ import annotations
 
+import functools
 import os
 import pkgutil
 from pathlib import Path
@@ -122,6 +123,22 @@ def check_half_on_cpu(backend: str, dtype: str, platform: str) -> None:
                                           f"--dtype float32 or q8_0 / q4_0 on {backend}")
 
 
+@functools.lru_cache(maxsize=1)
+def _row_copier():
+    import jax
+    from jax import lax
+
+    def copy(k, v, src, dst):  # [layers, rows, kv_heads, cache_len, head_dim] each
+        return tuple(lax.dynamic_update_index_in_dim(c, lax.dynamic_index_in_dim(c, src, axis=1), dst, axis=1)
+                     for c in (k, v))
+
+    return jax.jit(copy, donate_argnums=(0, 1))
+
+
+def _copy_row(k, v, src: int, dst: int):
+    return _row_copier()(k, v, src, dst)
+
+
 class XlaSession(Session):
     """Shared by the XLA backends: buckets, padding, the donated cache; `fn` is one compiled step."""
 
@@ -134,6 +151,11 @@ class XlaSession(Session):
         shape = (c["layers"], rows, c["kv_heads"], self.cache_len, c["head_dim"])
         self.k_cache = jnp.zeros(shape, dtype=numpy_dtype(self.dtype), device=device)
         self.v_cache = jnp.zeros(shape, dtype=numpy_dtype(self.dtype), device=device)
+
+    def _copy_rows(self, src: int, dst: int, n: int) -> None:
+        # The whole row, so one compiled copy serves every prefix length: positions past n are
+        # written again before they are read.
+        self.k_cache, self.v_cache = _copy_row(self.k_cache, self.v_cache, src, dst)
 
     def _device_step(self, ids, start, slots, last, all_logits: bool):
         """Run one padded step; returns (next_token, logits) device arrays, caches updated."""

@@ -101,6 +101,10 @@ class OrtSession(Session):
         self.caches = {f"{kind}_cache.{i}": torch.zeros(shape, dtype=tdt, device=self.device)
                        for kind in ("k", "v") for i in range(c["layers"])}
 
+    def _copy_rows(self, src: int, dst: int, n: int) -> None:
+        for cache in self.caches.values():  # [rows, kv_heads, cache_len, head_dim], bound in place
+            cache[dst, :, :n].copy_(cache[src, :, :n])
+
     def _run(self, ids: Sequence[Sequence[int]], start: Sequence[int], slots: Sequence[int], all_logits: bool):
         B, T = len(ids), len(ids[0])
         feeds = {

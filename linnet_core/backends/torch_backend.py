@@ -130,6 +130,10 @@ class TorchSession(Session):
             return self.step_fn(self.weights, ids_t, start_t, slots_t, last, kv_len, self.k_cache, self.v_cache,
                                 all_logits)
 
+    def _copy_rows(self, src: int, dst: int, n: int) -> None:
+        for cache in (self.k_cache, self.v_cache):  # [layers, rows, kv_heads, cache_len, head_dim]
+            cache[:, dst, :, :n].copy_(cache[:, src, :, :n])
+
     def _run_ragged(self, layout: RaggedLayout):
         """The step as one ragged call: linear layers over all its tokens at once."""
         feeds = {}

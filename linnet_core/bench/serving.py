@@ -5,7 +5,9 @@ N requests with prompt lengths drawn from a range (random token ids), a fixed nu
 with end-of-sequence ignored, at most C in flight, optionally arriving as a Poisson process. The
 baseline is the same requests one after another through `linnet run`'s generation loop, so the
 speed-up is what continuous batching buys. Steady state needs at least ~5x as many requests as
-the concurrency; the report says so when a run has fewer.
+the concurrency; the report says so when a run has fewer. Two shapes exercise prefix caching: a
+system prompt shared by every request (`shared_prefix` tokens before each), and chats of `turns`
+requests, each turn's prompt the one before, an answer and a new question.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -35,6 +38,8 @@ class Workload:
     concurrency: int = 64
     rate: float | None = None  # requests/s, Poisson arrivals; None = all at once (bounded by concurrency)
     seed: int = 0
+    shared_prefix: int = 0  # tokens of one system prompt before every request's own
+    turns: int = 1  # requests per chat; a chat's turns go one after another
 
     def __post_init__(self):
         if self.requests < 1 or self.concurrency < 1 or self.new_tokens < 1:
@@ -43,6 +48,27 @@ class Workload:
             raise InputError(f"bad prompt range {self.prompt_min}-{self.prompt_max}")
         if self.rate is not None and self.rate <= 0:
             raise InputError(f"--rate must be positive, got {self.rate}")
+        if self.shared_prefix < 0 or self.turns < 1:
+            raise InputError("--shared-prefix must be at least 0 and --turns at least 1")
+        if self.requests % self.turns:
+            raise InputError(f"--requests ({self.requests}) must be a multiple of --turns ({self.turns})")
+
+    @property
+    def longest_prompt(self) -> int:
+        return self.shared_prefix + self.turns * self.prompt_max + (self.turns - 1) * self.new_tokens
+
+    def compose(self, pieces: list[list[int]], vocab: int) -> list[list[int]]:
+        """The requests' prompts from their own parts: the shared system prompt before each, and a
+        chat's earlier turns (an answer of `new_tokens` after each) before its later ones."""
+        rng = np.random.default_rng(self.seed + 7)
+        system = rng.integers(0, vocab, self.shared_prefix).tolist()
+        prompts = []
+        for i, piece in enumerate(pieces):
+            if i % self.turns == 0:
+                prompts.append(system + piece)
+            else:
+                prompts.append(prompts[-1] + rng.integers(0, vocab, self.new_tokens).tolist() + piece)
+        return prompts
 
     @property
     def steady(self) -> bool:
@@ -55,7 +81,10 @@ class Workload:
 
     def describe(self) -> str:
         arrival = f"Poisson at {self.rate:g} req/s" if self.rate else "all at once"
-        return (f"{self.requests} requests of {self.prompt_min}-{self.prompt_max} prompt tokens and "
+        shape = f" after a {self.shared_prefix}-token shared system prompt" if self.shared_prefix else ""
+        if self.turns > 1:
+            shape += f", in chats of {self.turns} turns (each turn's prompt holds the earlier ones)"
+        return (f"{self.requests} requests of {self.prompt_min}-{self.prompt_max} prompt tokens{shape} and "
                 f"{self.new_tokens} new, at most {self.concurrency} in flight, {arrival}")
 
 
@@ -100,20 +129,25 @@ def summarize(name: str, results: list[RequestResult], wall: float, workload: Wo
     return row
 
 
-async def _paced(workload: Workload, prompts: list[list[int]], one) -> tuple[list[RequestResult], float]:
-    """Run `one(prompt)` for every prompt: at most `concurrency` at once, arriving as the workload says."""
+async def _paced(workload: Workload, prompts: list, one) -> tuple[list[RequestResult], float]:
+    """Run `one(prompt)` for every prompt: at most `concurrency` at once, arriving as the workload says
+    (a chat arrives as a whole, and its turns go one after another)."""
     sem = asyncio.Semaphore(workload.concurrency)
     rng = np.random.default_rng(workload.seed + 1)
     t0 = time.perf_counter()
+    chats = [prompts[i:i + workload.turns] for i in range(0, len(prompts), workload.turns)]
 
-    async def guarded(prompt: list[int], delay: float) -> RequestResult:
+    async def guarded(chat: list, delay: float) -> list[RequestResult]:
         await asyncio.sleep(delay)
-        async with sem:
-            return await one(prompt)
+        out = []
+        for prompt in chat:
+            async with sem:
+                out.append(await one(prompt))
+        return out
 
-    delays = np.cumsum(rng.exponential(1 / workload.rate, len(prompts))) if workload.rate else [0.0] * len(prompts)
-    results = await asyncio.gather(*(guarded(p, float(d)) for p, d in zip(prompts, delays, strict=True)))
-    return list(results), time.perf_counter() - t0
+    delays = np.cumsum(rng.exponential(1 / workload.rate, len(chats))) if workload.rate else [0.0] * len(chats)
+    results = await asyncio.gather(*(guarded(c, float(d)) for c, d in zip(chats, delays, strict=True)))
+    return [r for chat in results for r in chat], time.perf_counter() - t0
 
 
 def round_trippable(workload: Workload, model) -> list[list[int]]:
@@ -125,14 +159,15 @@ def round_trippable(workload: Workload, model) -> list[list[int]]:
     try:
         tok = Tokenizer(model.path)
     except CheckpointError:
-        return workload.prompts(model.spec.vocab_size)
+        return workload.compose(workload.prompts(model.spec.vocab_size), model.spec.vocab_size)
+    vocab = min(tok.vocab_size, model.spec.vocab_size)
     prompts = []
-    for p in workload.prompts(min(tok.vocab_size, model.spec.vocab_size)):
+    for p in workload.prompts(vocab):
         for _ in range(3):  # a couple of rounds settle it; lengths stay in the range
             again = tok.encode(tok.decode(p), add_special_tokens=False)
             p = (again + p)[:len(p)] if len(again) < len(p) else again[:len(p)]
         prompts.append(p)
-    return prompts
+    return workload.compose(prompts, vocab)
 
 
 def run_in_process(engine, workload: Workload, prompts: list[list[int]]) -> tuple[list[RequestResult], float]:
@@ -177,10 +212,17 @@ async def _stream(client, path: str, body: dict, tokens_in) -> RequestResult:
                                      error=f"HTTP {r.status_code}: {r.text[:200]}")
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    n = tokens_in(json.loads(line[6:]), len(res.token_times))
+                    event = json.loads(line[6:])
+                    if isinstance(event, dict) and event.get("error"):  # the server gave up mid-stream
+                        return RequestResult(False, res.start, res.token_times, time.perf_counter(),
+                                             f"the server's error event: {json.dumps(event['error'])[:160]}")
+                    n = tokens_in(event, len(res.token_times))
                     res.token_times += [time.perf_counter()] * n
-    except httpx.HTTPError as e:
-        return RequestResult(False, res.start, end=time.perf_counter(), error=type(e).__name__)
+    except httpx.HTTPError as e:  # the reason in the report: "RemoteProtocolError: peer closed connection ..."
+        return RequestResult(False, res.start, end=time.perf_counter(), error=f"{type(e).__name__}: {e}"[:200])
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        return RequestResult(False, res.start, end=time.perf_counter(),
+                             error=f"an event that is not a completion chunk ({type(e).__name__}: {e})"[:200])
     res.end = time.perf_counter()
     return res
 
@@ -201,17 +243,48 @@ def _openai_tokens(chunk: dict, seen: int) -> int:
     return 1 if choice.get("text") else 0  # no usage: a closing chunk with text is a token
 
 
+def server_root(url: str) -> str:
+    """The server's root from an address as people write it: `http://host:port`, or the `/v1` base
+    OpenAI clients take (`http://host:port/v1/`)."""
+    base = url.strip().rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise InputError(f"--url must start with http:// or https://, got '{url}'")
+    return base[:-3] if base.endswith("/v1") else base
+
+
+async def served_model(client, url: str) -> str:
+    """The first model the server lists at /v1/models, or one line saying what it answered instead."""
+    import httpx
+
+    where = f"{url.rstrip('/')}/v1/models"
+    try:
+        r = await client.get("/v1/models")
+    except httpx.HTTPError as e:
+        raise InputError(f"cannot reach {where}: {type(e).__name__}: {e}") from None
+    if r.status_code != 200:
+        raise InputError(f"{where} answered HTTP {r.status_code}: {r.text[:120]!r}",
+                         hint="is this an OpenAI-compatible server? (--api-key if it needs one)")
+    try:
+        models = r.json()["data"]
+        return str(models[0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise InputError(f"{where} answered, but not with an OpenAI model list: {r.text[:120]!r}",
+                         hint="is this an OpenAI-compatible server?") from None
+
+
 def run_http(url: str, workload: Workload, prompts: list[list[int]], model: str | None = None,
-             api_key: str | None = None) -> tuple[list[RequestResult], float]:
-    """Against any OpenAI-compatible server: streamed /v1/completions with the prompt as token ids."""
+             api_key: str | None = None, extra: dict | None = None) -> tuple[list[RequestResult], float]:
+    """Against any OpenAI-compatible server: streamed /v1/completions with the prompt as token ids
+    (`extra`: server-specific fields added to every request)."""
+    root = server_root(url)
 
     async def main():
-        async with _client(url, workload, {"Authorization": f"Bearer {api_key}"} if api_key else None) as client:
-            name = model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        async with _client(root, workload, {"Authorization": f"Bearer {api_key}"} if api_key else None) as client:
+            name = model or await served_model(client, root)
 
             async def one(prompt: list[int]) -> RequestResult:
                 body = {"model": name, "prompt": prompt, "max_tokens": workload.new_tokens, "stream": True,
-                        "ignore_eos": True, "temperature": 0, "min_tokens": workload.new_tokens}
+                        "ignore_eos": True, "temperature": 0, "min_tokens": workload.new_tokens, **(extra or {})}
                 return await _stream(client, "/v1/completions", body, _openai_tokens)
 
             return await _paced(workload, prompts, one)
@@ -266,11 +339,13 @@ def to_json(workload: Workload, rows: list[dict], env: dict, model: str, backend
 
 
 LABELS = {"engine": "linnet.serve, in-process", "http": "linnet serve, over HTTP", "sequential": "one at a time (linnet run)",
-          "triton": "Triton, linnet.serve backend", "url": "OpenAI-compatible server at --url"}
-TARGETS = ("sequential", "engine", "http", "triton")
+          "http-no-prefix-cache": "linnet serve, prefix caching off", "triton": "Triton, linnet.serve backend",
+          "llama-server": "llama-server (llama.cpp)", "url": "OpenAI-compatible server at --url"}
+TARGETS = ("sequential", "engine", "http", "http-no-prefix-cache", "llama-server", "triton")
 
 
-def _start_server(model: str, backend: str, dtype: str, rows: int, cache_len: int) -> tuple[subprocess.Popen, str]:
+def _start_server(model: str, backend: str, dtype: str, rows: int, cache_len: int,
+                  extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """`linnet serve` in a process of its own, ready to take requests."""
     import httpx
 
@@ -279,7 +354,7 @@ def _start_server(model: str, backend: str, dtype: str, rows: int, cache_len: in
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "linnet_cli", "serve", model, "--backend", backend, "--dtype", dtype,
                              "--rows", str(rows), "--cache-len", str(cache_len), "--port", str(port), "--quiet",
-                             "--max-waiting", "100000"],
+                             "--max-waiting", "100000", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 1800
@@ -307,16 +382,21 @@ def bench_serving(model, workload: Workload, backend: str = "torch", dtype: str 
         raise InputError(f"--rounds must be at least 1, got {rounds}")
     m = open_model(model) if not hasattr(model, "spec") else model
     dt = pick_dtype(dtype, m.spec)
-    cache_len = workload.prompt_max + workload.new_tokens
+    cache_len = workload.longest_prompt + workload.new_tokens
     prompts = round_trippable(workload, m)
     measured: dict[str, list[dict]] = {}
-    for k in range(rounds):
-        for target in targets + (("url",) if url else ()):
-            name = url if target == "url" else LABELS[target]
-            progress(f"serving bench: {name}" + (f" (round {k + 1} of {rounds})" if rounds > 1 else ""))
-            row = _measure(target, m, backend, dt, rows, cache_len, workload, prompts, url, api_key, progress)
-            row["label"] = name
-            measured.setdefault(target, []).append(row)
+    with tempfile.TemporaryDirectory(prefix="linnet-serving-") as scratch:
+        gguf = _gguf_for_llama_server(m, dt, Path(scratch), progress) if "llama-server" in targets else None
+        for k in range(rounds):
+            for target in targets + (("url",) if url else ()):
+                name = url if target == "url" else LABELS[target]
+                progress(f"serving bench: {name}" + (f" (round {k + 1} of {rounds})" if rounds > 1 else ""))
+                if target == "llama-server":
+                    row = _llama_server_target(gguf, rows, cache_len, workload, prompts, Path(scratch))
+                else:
+                    row = _measure(target, m, backend, dt, rows, cache_len, workload, prompts, url, api_key, progress)
+                row["label"] = name
+                measured.setdefault(target, []).append(row)
     chosen = []
     for runs in measured.values():
         by_speed = sorted(runs, key=lambda r: r["output_tok_s"] or 0.0)
@@ -350,8 +430,10 @@ def _measure(target: str, m, backend: str, dtype: str, rows: int, cache_len: int
         finally:
             engine.stop(timeout=5)
         return summarize("engine", results, wall, workload, peak_rss(), "peak RSS of this process")
-    if target == "http":
-        proc, server = _start_server(str(m.path), backend, dtype, rows, cache_len)
+    if target in ("http", "http-no-prefix-cache"):
+        off = target == "http-no-prefix-cache"
+        proc, server = _start_server(str(m.path), backend, dtype, rows, cache_len,
+                                     ("--no-prefix-caching",) if off else ())
         try:
             results, wall = run_http(server, workload, prompts)
             peak = peak_rss(proc.pid)
@@ -359,11 +441,51 @@ def _measure(target: str, m, backend: str, dtype: str, rows: int, cache_len: int
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)
             proc.stderr.close()
-        return summarize("http", results, wall, workload, peak, "peak RSS of the server process")
+        return summarize(target, results, wall, workload, peak, "peak RSS of the server process" +
+                         ("; every prompt computed whole" if off else ""))
     if target == "triton":
         return _triton_target(m, backend, dtype, rows, cache_len, workload, prompts, progress)
     results, wall = run_http(url, workload, prompts, api_key=api_key)
     return summarize("url", results, wall, workload, None, url)
+
+
+def _gguf_for_llama_server(m, dtype: str, scratch: Path, progress) -> Path:
+    """The same weights in the bench dtype as llama.cpp reads them (a GGUF source as it is)."""
+    from ..dtypes import FORMATS
+    from ..export.gguf_export import export_gguf
+    from . import llama_server
+
+    llama_server.require()  # before minutes of exporting
+    if m.is_gguf:
+        if dtype != m.spec.dtype:
+            raise InputError(f"llama-server runs the file as it is stored ({m.spec.dtype}); bench --dtype "
+                             f"{m.spec.dtype} to put it beside Linnet")
+        return Path(m.path)
+    progress("serving bench: exporting GGUF for llama-server")
+    out = scratch / "model.gguf"
+    export_gguf(m, out, FORMATS[dtype].gguf, force=True, check=False)
+    return out
+
+
+def _llama_server_target(gguf: Path, rows: int, cache_len: int, workload: Workload, prompts: list[list[int]],
+                         scratch: Path) -> dict:
+    """llama-server with a slot per Linnet row and the same positions each, started afresh for the round."""
+    import torch
+
+    from . import llama_server
+    from .machine import peak_rss
+
+    threads = torch.get_num_threads()
+    proc, url = llama_server.start(llama_server.require(), gguf, rows, cache_len, threads, scratch / "llama-server.log")
+    try:
+        results, wall = run_http(url, workload, prompts, extra={"cache_prompt": True})
+        peak = peak_rss(proc.pid)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    return summarize("llama-server", results, wall, workload, peak,
+                     f"-np {rows} -c {rows * cache_len} -t {threads}, its default float16 KV cache; started afresh "
+                     "each round (prompt cache cold), its slots' prompt reuse on as by default; peak RSS of the server")
 
 
 COLUMNS = (("output tok/s", "output_tok_s", "{:,.1f}"), ("speed-up", "speedup", "{:.2f}×"),
@@ -398,7 +520,19 @@ def markdown(result: dict) -> str:
     if result.get("rounds", 1) > 1:
         lines += ["", "Output tok/s in each round: " + "; ".join(
             f"{r['label']} " + ", ".join(f"{x:,.1f}" for x in r["rounds_output_tok_s"]) for r in result["targets"])]
+    lines += [""] + [f"- {n}" for n in notes(result)] if notes(result) else []
     return "\n".join(lines) + "\n"
+
+
+def notes(result: dict) -> list[str]:
+    """What each target's figures mean (how it was run), and why requests failed."""
+    out = []
+    for r in result["targets"]:
+        if r.get("note"):
+            out.append(f"{r['label']}: {r['note']}")
+        if r.get("failed"):
+            out.append(f"{r['label']}: {r['failed']} of {r['requests']} requests failed: " + "; ".join(r["errors"]))
+    return out
 
 
 def rich_table(result: dict):

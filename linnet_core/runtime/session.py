@@ -117,6 +117,17 @@ class Session(ABC):
         tokens = self._choose(greedy, out, samplers or [None] * len(ids))
         return StepOutput(tokens, self._to_host(out) if logits else None)
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Make cache row `dst` hold what row `src` holds in positions [0, n) (prefix caching: a prompt
+        that starts as another row's does not compute those positions again)."""
+        if not (0 <= src < self.rows and 0 <= dst < self.rows and 0 <= n <= self.cache_len):
+            raise InputError(f"cannot copy {n} positions from row {src} to row {dst}")
+        if src != dst and n:
+            self._copy_rows(src, dst, n)
+
+    def _copy_rows(self, src: int, dst: int, n: int) -> None:
+        raise NotImplementedError
+
     def step(self, chunks: Sequence[Chunk]) -> list[int]:
         """Run every chunk, each on its own cache row; the next token after each chunk."""
         if not chunks or any(not len(c.ids) for c in chunks):

@@ -1,13 +1,14 @@
 """Continuous batching over a session's fixed KV-cache rows.
 
 Requests wait in a queue and are admitted into free rows. Each step is one `Session.step`: a
-token for every decoding row, plus prompt chunks of the oldest prefilling rows up to
-`prefill_chunk` tokens in all, so a long prompt never stalls the decoding rows for long and the
-decode rows ride along with the prompt work (one pass over the weights where the backend takes
-ragged steps). A prompt's chunk boundaries depend on its own length only. A request that
-finishes, stops or is cancelled frees its row at once. Each row's computation is its own (the
-backends' batched steps are tested row-by-row against the row alone), so a greedy answer does
-not depend on the load.
+token for every decoding row, plus prompt chunks of the oldest prefilling rows, as many prompt
+tokens as the step budget allows (`step_budget`: up to `prefill_chunk`, fewer while rows decode, so
+a long prompt does not stall them) and the decode rows ride along with the prompt work (one pass
+over the weights where the backend takes ragged steps). A request is placed in the row that
+already holds the longest prefix of its prompt (`prefix_cache`) and computes only the rest. A
+request that finishes, stops or is cancelled frees its row at once. Each row's computation is its
+own (the backends' batched steps are tested row-by-row against the row alone), so a greedy answer
+does not depend on the load.
 
 A fault is contained: a request whose output handling fails ends alone with finish reason "error";
 a step that fails is rerun one row at a time (the samplers' generators rewound first, so no other
@@ -33,8 +34,11 @@ from ..runtime.session import Chunk, Session
 from ..runtime.threads import release_openmp_pool
 from ..tokenizer import IncrementalDecoder, Tokenizer
 from .metrics import EngineMetrics, Histogram
+from .prefix_cache import RowContents
+from .step_budget import StepBudget
 
 log = logging.getLogger("linnet.serve")
+DECODE_STALL = 2.0  # a step with prompt work takes at most this many decode-only steps' time (measured)
 PROBE_EVERY_S = 0.05  # how often a watched request's client is asked whether it has gone (an IPC for Triton)
 
 
@@ -177,10 +181,10 @@ class Handle:
 class _Active:
     """A request in a cache row: where its prompt is, what it has produced, what is held back."""
 
-    def __init__(self, handle: Handle, row: int, tokenizer: Tokenizer | None):
+    def __init__(self, handle: Handle, row: int, tokenizer: Tokenizer | None, reused: int = 0):
         self.handle, self.row = handle, row
         self.sampler = Sampler(handle.request.sampling)
-        self.prefilled = 0  # prompt tokens already in the cache
+        self.prefilled = reused  # prompt tokens already in the cache (a prefix found there counts)
         self.position = 0  # where the next token goes
         self.last: int | None = None  # the token to feed next
         self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
@@ -192,11 +196,14 @@ class Engine:
     that drive it themselves."""
 
     def __init__(self, session: Session, tokenizer: Tokenizer | None = None, eos_ids: set[int] | None = None,
-                 prefill_chunk: int = 256, max_waiting: int = 1024):
+                 prefill_chunk: int = 256, max_waiting: int = 1024, prefix_caching: bool = True,
+                 decode_stall: float | None = DECODE_STALL):
         self.session, self.tokenizer = session, tokenizer
         self.rows, self.cache_len = session.rows, session.cache_len
         self.eos_ids = set(eos_ids if eos_ids is not None else (tokenizer.eos_ids if tokenizer else ()))
         self.prefill_chunk, self.max_waiting = prefill_chunk, max_waiting
+        self.budget = StepBudget(prefill_chunk, decode_stall)
+        self.contents = RowContents(self.rows, self.cache_len) if prefix_caching else None
         self._waiting: deque[Handle] = deque()
         self._active: dict[int, _Active] = {}  # row -> request
         self._free = list(range(self.rows))[::-1]
@@ -274,25 +281,42 @@ class Engine:
                 self._waiting.remove(h)
                 self._drop_waiting(h, "cancelled")
             while self._waiting and self._free:
-                row = self._free.pop()
-                self._active[row] = _Active(self._waiting.popleft(), row, self.tokenizer)
+                self._admit(self._waiting.popleft())
         if not self._active:
             return False
         decoding = [a for a in self._active.values() if a.last is not None]
-        work = [(a, Chunk([a.last], a.position, a.row, a.sampler)) for a in decoding] + self._prompt_chunks()
+        work = [(a, Chunk([a.last], a.position, a.row, a.sampler)) for a in decoding]
+        work += self._prompt_chunks(self.budget.prompt_tokens(len(decoding)))
         self._run(work)
         return True
 
-    def _prompt_chunks(self) -> list[tuple[_Active, Chunk]]:
-        """The next chunk of the oldest prefilling rows, up to `prefill_chunk` tokens (at least one
-        chunk). A chunk ends at a multiple of `prefill_chunk` or the prompt's end, whatever else runs."""
-        out, budget = [], self.prefill_chunk
+    def _admit(self, handle: Handle) -> None:
+        """Into the free row holding the longest prefix of its prompt (or given a busy row's copy)."""
+        reused, source = 0, None
+        if self.contents is None:
+            row = self._free.pop()
+        else:
+            row, reused, source = self.contents.place(handle.request.prompt, self._free, list(self._active))
+            if source is not None:
+                try:
+                    self.session.copy_prefix(source, row, reused)
+                except NotImplementedError:  # this backend copies no rows: the prompt is computed whole
+                    reused, source = 0, None
+            self.contents.adopt(row, reused, source)
+            self._free.remove(row)
+        with self.metrics.lock:
+            self.metrics.admitted(len(handle.request.prompt), reused)
+        self._active[row] = _Active(handle, row, self.tokenizer, reused)
+
+    def _prompt_chunks(self, budget: int) -> list[tuple[_Active, Chunk]]:
+        """The next chunks of the oldest prefilling rows, `budget` prompt tokens in all."""
+        out = []
         for a in sorted((a for a in self._active.values() if a.prefilled < len(a.handle.request.prompt)),
                         key=lambda x: x.handle.id):
-            prompt = a.handle.request.prompt
-            end = min(len(prompt), (a.prefilled // self.prefill_chunk + 1) * self.prefill_chunk)
-            if out and end - a.prefilled > budget:
+            if budget <= 0:
                 break
+            prompt = a.handle.request.prompt
+            end = min(len(prompt), a.prefilled + budget)
             budget -= end - a.prefilled
             # Only the last chunk's token is used: sampling an earlier one would advance the
             # request's seeded generator and change what it samples later.
@@ -302,6 +326,7 @@ class Engine:
 
     def _run(self, work: list[tuple[_Active, Chunk]]) -> None:
         rewind = [a.sampler.snapshot() for a, _ in work]
+        started = time.perf_counter()
         try:
             tokens = self.session.step([c for _, c in work])
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
@@ -314,7 +339,11 @@ class Engine:
             log.error("a step failed for request %d: %s: %s", work[0][0].handle.id, type(e).__name__, e)
             self._finish(work[0][0], "error", "the model step failed for this request (the server log says why)")
             return
+        decoding = sum(1 for a, c in work if len(c.ids) == 1 and a.last is not None)
+        self.budget.observe(sum(len(c.ids) for _, c in work) - decoding, decoding, time.perf_counter() - started)
         for (a, chunk), token in zip(work, tokens, strict=True):
+            if self.contents is not None:
+                self.contents.wrote(a.row, chunk.start, chunk.ids)
             try:
                 if len(chunk.ids) == 1 and a.last is not None:  # a decode step
                     a.position += 1
@@ -358,6 +387,8 @@ class Engine:
             cut = _first_stop(tail, a.handle.request.stop)
             tail = tail if cut is None else tail[:cut]
         self._active.pop(a.row, None)
+        if self.contents is not None and reason == "error":
+            self.contents.forget(a.row)  # what a failed step left in it is not trusted again
         with self._wake:
             self._free.append(a.row)
         st = a.handle.stats

@@ -194,6 +194,7 @@ class Server:
         e, m = self.engine, self.engine.metrics
         with m.lock:  # a consistent view; fixed-size histograms, so the lock is held for microseconds
             counters = (m.requests_total, m.tokens_generated, dict(m.finished_by_reason))
+            prefix = (m.prompt_tokens, m.prefix_queries, m.prefix_hits, m.prefix_reused_tokens)
             histograms = (m.ttft.render("linnet_time_to_first_token_seconds", "Time to first token."),
                           m.inter_token.render("linnet_inter_token_seconds", "Time between tokens."))
         total, generated, reasons = counters
@@ -214,6 +215,15 @@ class Server:
             f"linnet_generated_tokens_total {generated}",
             "# HELP linnet_engine_healthy Whether the engine takes requests.", "# TYPE linnet_engine_healthy gauge",
             f"linnet_engine_healthy {int(e.healthy)}",
+            "# HELP linnet_prompt_tokens_total Prompt tokens of the requests that took a row.",
+            "# TYPE linnet_prompt_tokens_total counter", f"linnet_prompt_tokens_total {prefix[0]}",
+            "# HELP linnet_prefix_cache_queries_total Requests looked up in the prefix cache.",
+            "# TYPE linnet_prefix_cache_queries_total counter", f"linnet_prefix_cache_queries_total {prefix[1]}",
+            "# HELP linnet_prefix_cache_hits_total Requests that found a prefix of their prompt cached.",
+            "# TYPE linnet_prefix_cache_hits_total counter", f"linnet_prefix_cache_hits_total {prefix[2]}",
+            "# HELP linnet_prefix_cache_reused_tokens_total Prompt positions taken from the cache, not computed.",
+            "# TYPE linnet_prefix_cache_reused_tokens_total counter",
+            f"linnet_prefix_cache_reused_tokens_total {prefix[3]}",
         ]
         for h in histograms:
             lines += h

