@@ -55,6 +55,18 @@ CASE_IDS = [c.id for c in CASES]
 # Backends every fixture is checked on here (the optional ones when their extra is installed),
 # and the half dtypes each runs on this CPU.
 HAVE = {name: importlib.util.find_spec(name) is not None for name in ("onnxruntime", "jax")}
+
+
+def _needs_kernels():
+    import pytest
+
+    from linnet_core.backends import decode_kernels
+
+    return pytest.mark.skipif(decode_kernels.extension() is None,
+                              reason=f"Linnet's CPU kernels do not run here: {decode_kernels.why_not()}")
+
+
+needs_kernels = _needs_kernels()  # q8_0 / q4_0 on a CPU: AVX-512 with VNNI and BF16
 CPU_BACKENDS = ["torch", "inductor"] + ["onnxruntime"] * HAVE["onnxruntime"] + ["jax", "stablehlo"] * HAVE["jax"]
 HALF_DTYPES = [("torch", "float16"), ("torch", "bfloat16"), ("inductor", "bfloat16")] \
     + [("onnxruntime", "float16")] * HAVE["onnxruntime"] + [("jax", "bfloat16"), ("stablehlo", "bfloat16")] * HAVE["jax"]

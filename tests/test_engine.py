@@ -14,7 +14,7 @@ from linnet_core.runtime.sampling import Sampler, SamplingParams
 from linnet_core.serve.engine import Engine, EngineFull, EngineUnavailable, GenerationRequest
 from linnet_core.tokenizer import Tokenizer
 
-from family_fixtures import HAVE
+from family_fixtures import HAVE, needs_kernels
 
 CASE = "qwen2-bias-tied"
 CACHE = 96
@@ -22,7 +22,8 @@ CACHE = 96
 
 # torch takes a step as one call per chunk length; ONNX Runtime's graph takes it in one ragged call; the
 # engine is backend- and format-agnostic, q4_0 weights included.
-@pytest.fixture(scope="module", params=["torch", "torch:q4_0"] + ["onnxruntime", "onnxruntime:q8_0"] * HAVE["onnxruntime"])
+@pytest.fixture(scope="module", params=["torch", pytest.param("torch:q4_0", marks=needs_kernels)]
+                + ["onnxruntime", "onnxruntime:q8_0"] * HAVE["onnxruntime"])
 def model(request, tokenized_checkpoints):
     path = tokenized_checkpoints[CASE]
     backend, _, dtype = request.param.partition(":")

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from family_fixtures import FAMILY_CASES
+from family_fixtures import FAMILY_CASES, needs_kernels
 from test_cli import assert_one_line_error, invoke
 
 pytest.importorskip("gguf")
@@ -69,6 +69,7 @@ def test_a_float32_gguf_decodes_as_its_checkpoint(case, exported, tokenized_chec
     np.testing.assert_allclose(got_logits, want_logits, atol=1e-4, rtol=1e-4)
 
 
+@needs_kernels
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_quantized_blocks_are_kept_byte_for_byte(fmt, exported, tokenized_checkpoints):
     """A q8_0 / q4_0 GGUF compiled in its own format computes on its bytes, unchanged: the same
@@ -186,7 +187,8 @@ needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is No
 
 @needs_llama_cpp
 @pytest.mark.parametrize("case,fmt", [("qwen3-headdim128", "f32"), ("llama-gqa-untied", "f32"),
-                                      ("phi3-fused-window", "f32"), ("llama-gqa-untied", "q8_0")])
+                                      ("phi3-fused-window", "f32"),
+                                      pytest.param("llama-gqa-untied", "q8_0", marks=needs_kernels)])
 def test_verify_of_a_gguf_takes_llama_cpp_on_the_file_as_its_reference(case, fmt, exported):
     from linnet_core.verify import verify
 
@@ -251,7 +253,7 @@ def written_by_the_gguf_package(src, dst, qtype: str):
 
 
 @needs_llama_cpp
-@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", pytest.param("Q8_0", marks=needs_kernels), "Q4_0"])
 def test_ggufs_the_gguf_package_writes_compute_as_llama_cpp(qtype, exported, tmp_path):
     """Not only Linnet's own writer: every family's GGUF converted and quantized by the gguf package
     alone reads back to the same spec and computes as llama.cpp does on the file (verify passes;

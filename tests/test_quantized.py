@@ -9,15 +9,13 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
-from family_fixtures import CASES, FAMILY_CASES, make_checkpoint
+from family_fixtures import CASES, FAMILY_CASES, make_checkpoint, needs_kernels
 from test_cli import assert_one_line_error, invoke
 
 from linnet_core.backends import decode_kernels
 from linnet_core.quant import dequantize, int8_blocks, param_formats, quantize, summary
 
 FORMATS = ["q8_0", "q4_0"]
-needs_kernels = pytest.mark.skipif(decode_kernels.extension() is None,
-                                   reason=f"Linnet's CPU kernels do not run here: {decode_kernels.why_not()}")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 httpx = pytest.importorskip("httpx")
+from family_fixtures import needs_kernels  # noqa: E402
 
 HOME = Path(os.environ.get("LINNET_TRITON_HOME", Path.home() / ".cache" / "linnet-tests" / "triton"))
 CASE = "qwen2-bias-tied"
@@ -77,6 +78,7 @@ def test_streaming_and_not(triton):
     assert streamed == _alone(path, "The list object", 8)  # the same engine, the same greedy answer
 
 
+@needs_kernels
 def test_a_quantized_artifact_serves_the_same_answer(triton):
     url, path, _ = triton
     body = {"text_input": "The list object", "max_tokens": 8, "stream": False,
