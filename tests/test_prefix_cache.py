@@ -198,3 +198,29 @@ def test_a_step_with_decoding_rows_keeps_to_the_budget(model, monkeypatch):
         assert prompt_tokens <= (5 if decode else 32)
         mixed += bool(decode and prompt_tokens)
     assert mixed > 0  # the load did mix prompt work with decoding rows
+
+
+def test_requests_arriving_together_compute_their_shared_prefix_once(model):
+    """Three requests with one long system prompt, admitted in the same step: the oldest fills it,
+    the others copy it once it is there instead of computing it again."""
+    batched, alone = model
+    engine = Engine(batched, None, prefill_chunk=16, decode_stall=None)
+    system = SYSTEM + list(range(200, 240))  # 73 tokens
+    reqs = [GenerationRequest(system + [300 + i, 301], 4, seeded(i), ignore_eos=True) for i in range(3)]
+    computed = []
+    real = batched.step
+
+    def step(chunks):
+        computed.append(sum(len(c.ids) for c in chunks if len(c.ids) > 1 or c.start < len(system)))
+        return real(chunks)
+
+    batched.step = step
+    try:
+        handles = [engine.submit(r) for r in reqs]
+        drain(engine)
+    finally:
+        del batched.step
+    for r, h in zip(reqs, handles, strict=True):
+        assert h.result()[1] == run_alone(alone, r.prompt, 4, r.sampling)
+    assert sum(computed) < len(system) + 3 * 8  # the prefix once, then each request's own few tokens
+    assert engine.metrics.prefix_hits == 2 and engine.metrics.prefix_reused_tokens >= 2 * (len(system) - 16)

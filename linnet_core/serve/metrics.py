@@ -59,6 +59,11 @@ class EngineMetrics:
         self.prefix_hits += reused > 0
         self.prefix_reused_tokens += reused
 
+    def caught_up(self, first: bool, tokens: int) -> None:
+        """A filling request copied `tokens` more positions another row filled meanwhile (under the lock)."""
+        self.prefix_hits += first
+        self.prefix_reused_tokens += tokens
+
     def finished(self, reason: str, ttft: float | None, inter_token: Histogram) -> None:
         with self.lock:
             self.requests_finished += 1

@@ -6,7 +6,9 @@ its first `valid` positions hold. A request placed in a row starts its prompt af
 prefix it shares with that row's content, and a free row keeps its content until it is taken, so a
 later request with the same system prompt, few-shot examples or earlier chat turns finds it there.
 When a busy row shares a longer prefix than any free row, its positions are copied into the free row
-the request gets (`Session.copy_prefix`). Free rows are taken in least-recently-used order when no
+the request gets (`Session.copy_prefix`), and a request still filling its prompt copies positions
+another row has filled meanwhile (requests that arrive together with one system prompt compute it
+once: the oldest fills it, the others wait their turn and copy it). Free rows are taken in least-recently-used order when no
 content matches: that is the eviction. A position's keys and values depend only on the tokens up
 to it, so reused positions are those the request would have computed.
 """
@@ -44,6 +46,15 @@ class RowContents:
         differ = np.flatnonzero(self.tokens[row, :n] != prompt[:n])
         return int(differ[0]) if len(differ) else n
 
+    def best(self, prompt: np.ndarray, rows) -> tuple[int | None, int]:
+        """The row among `rows` sharing the longest prefix with `prompt`, and its length."""
+        found, longest = None, 0
+        for r in rows:
+            n = self.shared(r, prompt)
+            if n > longest:
+                found, longest = r, n
+        return found, longest
+
     def place(self, prompt, free: list[int], busy: list[int]) -> tuple[int, int, int | None]:
         """(row, reused positions, row to copy them from or None) for a request with `prompt`, given
         the free rows (at least one) and the busy ones. At least the prompt's last token is left to
@@ -51,8 +62,7 @@ class RowContents:
         p = np.asarray(prompt, dtype=np.int64)[:-1]
         best_free = max(free, key=lambda r: (self.shared(r, p), self.used[r]))
         in_place = self.shared(best_free, p)
-        best_busy = max(busy, key=lambda r: self.shared(r, p), default=None)
-        elsewhere = self.shared(best_busy, p) if best_busy is not None else 0
+        best_busy, elsewhere = self.best(p, busy)
         self._clock += 1
         if elsewhere >= max(MIN_COPY, in_place + MIN_COPY):
             row = min(free, key=lambda r: self.used[r])  # the least recently used content goes
@@ -61,6 +71,13 @@ class RowContents:
         row = best_free if in_place else min(free, key=lambda r: self.used[r])
         self.used[row] = self._clock
         return row, in_place, None
+
+    def catch_up(self, row: int, prompt, filled: int, rows) -> tuple[int | None, int]:
+        """(row to copy from, positions) when another of `rows` holds at least MIN_COPY more of a
+        filling request's prompt than the `filled` positions its own row has; else (None, filled)."""
+        p = np.asarray(prompt, dtype=np.int64)[:-1]
+        source, n = self.best(p, (r for r in rows if r != row))
+        return (source, n) if source is not None and n >= filled + MIN_COPY else (None, filled)
 
     def adopt(self, row: int, reused: int, source: int | None) -> None:
         """The row now holds the first `reused` positions of the request placed in it."""
