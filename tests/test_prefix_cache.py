@@ -78,8 +78,12 @@ def test_the_step_budget_bounds_a_mixed_step_and_lifts_when_nobody_decodes():
     assert b.prompt_tokens(decoding=4) == 30  # (2 - 1) x 30 ms at 1 ms a token
     assert b.prompt_tokens(decoding=0) == 256
     assert StepBudget(256, None).prompt_tokens(8) == 256
-    b.observe(0, 4, 10.0)  # a slow decode step widens it, never past max_chunk
-    assert b.prompt_tokens(decoding=4) <= 256
+    assert b.cost() == pytest.approx((0.026, 0.001))
+    for _ in range(40):  # mixed steps alone, the machine now twice as slow: the fit follows them
+        b.observe(50, 4, 0.160)
+        b.observe(20, 4, 0.100)
+    assert b.prompt_tokens(decoding=4) == pytest.approx(30, abs=1)  # (2 - 1) x (52 + 4 x 2) ms at 2 ms a token
+    assert StepBudget(256, 2.0).prompt_tokens(4) == 256 and StepBudget(64, 10.0).prompt_tokens(1) <= 64
     with pytest.raises(ValueError):
         StepBudget(256, 0.5)
 
