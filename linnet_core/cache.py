@@ -324,27 +324,34 @@ class ArtifactCache:
         out = []
         blobs = self.store.inodes()
         for path in self.artifacts.iterdir():
-            if not path.is_dir():
-                continue
-            size, shared = 0, []
-            for f in path.rglob("*"):
-                if not f.is_file():
-                    continue
-                st = f.stat()
-                blob = blobs.get((st.st_dev, st.st_ino)) if st.st_nlink > 1 else None
-                if blob is None:
-                    size += st.st_size
-                else:
-                    shared.append(blob.path.name)
             try:
-                m = json.loads((path / MANIFEST).read_text())
-                used = (path / MANIFEST).stat().st_mtime
-                out.append(CachedArtifact(path, m["model"], m["backend"], m["dtype"], int(m["cache_len"]), size,
-                                          float(m["created"]), used, m.get("digest", "")[:32], True, tuple(shared)))
-            except (OSError, ValueError, KeyError, TypeError):
-                mtime = path.stat().st_mtime
-                out.append(CachedArtifact(path, path.name, "?", "?", 0, size, mtime, mtime, "", False, tuple(shared)))
+                if path.is_dir():
+                    out.append(self._describe(path, blobs))
+            except FileNotFoundError:  # removed by another process while it was listed
+                continue
         return sorted(out, key=lambda e: -e.last_used)
+
+    @staticmethod
+    def _describe(path: Path, blobs: dict) -> CachedArtifact:
+        """One entry as `entries` lists it: its manifest's fields, its own size, the weights it shares."""
+        size, shared = 0, []
+        for f in path.rglob("*"):
+            if not f.is_file():
+                continue
+            st = f.stat()
+            blob = blobs.get((st.st_dev, st.st_ino)) if st.st_nlink > 1 else None
+            if blob is None:
+                size += st.st_size
+            else:
+                shared.append(blob.path.name)
+        try:
+            m = json.loads((path / MANIFEST).read_text())
+            used = (path / MANIFEST).stat().st_mtime
+            return CachedArtifact(path, m["model"], m["backend"], m["dtype"], int(m["cache_len"]), size,
+                                  float(m["created"]), used, m.get("digest", "")[:32], True, tuple(shared))
+        except (OSError, ValueError, KeyError, TypeError):
+            mtime = path.stat().st_mtime
+            return CachedArtifact(path, path.name, "?", "?", 0, size, mtime, mtime, "", False, tuple(shared))
 
     def remove(self, entry: CachedArtifact) -> None:
         """Delete an entry, under its key's build lock (no build of that key is cut short) and its use

@@ -292,6 +292,7 @@ def test_export_hf_from_a_gguf_is_the_checkpoint_again(case, exported, tokenized
 
 
 @needs_llama_cpp
+@needs_kernels
 @pytest.mark.slow
 def test_bench_of_a_gguf_puts_linnet_beside_llama_cpp_on_the_file(exported):
     """llama.cpp runs the very file; transformers, the reference, loads Linnet's export of it."""
@@ -316,15 +317,17 @@ def test_bench_of_a_gguf_puts_linnet_beside_llama_cpp_on_the_file(exported):
 
 
 @needs_llama_cpp
-def test_a_gguf_exported_again_in_another_format_loads_in_llama_cpp(exported, tmp_path):
+@pytest.mark.parametrize("case,source_fmt,dtype", [("qwen3-headdim128", "f32", "f16"),
+                                                   pytest.param("llama-gqa-untied", "q8_0", "q4_0", marks=needs_kernels)])
+def test_a_gguf_exported_again_in_another_format_loads_in_llama_cpp(case, source_fmt, dtype, exported, tmp_path):
     """q8_0 -> q4_0 (and f32 -> f16): the vocabulary and tokenizer keys go across as they are,
     checked in llama.cpp against llama.cpp on the source file."""
-    for source, dtype in ((exported("qwen3-headdim128", "f32"), "f16"), (exported("llama-gqa-untied", "q8_0"), "q4_0")):
-        result = export_gguf(source, tmp_path / f"again-{dtype}.gguf", dtype, consumer="llama.cpp")
-        assert result.check.passed and result.check.tokenizer_match, result.check.describe()
-        with read_gguf(source) as a, read_gguf(result.out) as b:
-            for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id"):
-                assert np.array_equal(np.asarray(a.metadata.get(key)), np.asarray(b.metadata.get(key))), key
+    source = exported(case, source_fmt)
+    result = export_gguf(source, tmp_path / f"again-{dtype}.gguf", dtype, consumer="llama.cpp")
+    assert result.check.passed and result.check.tokenizer_match, result.check.describe()
+    with read_gguf(source) as a, read_gguf(result.out) as b:
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id"):
+            assert np.array_equal(np.asarray(a.metadata.get(key)), np.asarray(b.metadata.get(key))), key
 
 
 @needs_llama_cpp

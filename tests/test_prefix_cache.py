@@ -11,7 +11,9 @@ import pytest
 from linnet_core.compile import load_model
 from linnet_core.runtime.sampling import SamplingParams
 from linnet_core.serve.engine import Engine, GenerationRequest
-from linnet_core.serve.prefix_cache import MIN_COPY, RowContents
+from linnet_core.runtime.row_contents import RowContents
+from linnet_core.runtime.session import Chunk
+from linnet_core.serve.prefix_cache import MIN_COPY, PrefixCache
 from linnet_core.serve.step_budget import StepBudget
 
 from family_fixtures import HAVE
@@ -44,11 +46,11 @@ def seeded(i: int) -> SamplingParams:
 
 # -- the row index ------------------------------------------------------------------------
 def test_a_free_row_holding_the_prefix_is_taken_and_the_least_recently_used_is_evicted():
-    c = RowContents(rows=3, cache_len=64)
+    rows = RowContents(rows=3, cache_len=64)
+    c = PrefixCache(rows)
     row, reused, source = c.place([1, 2, 3, 4], free=[0, 1, 2], busy=[])
-    assert reused == 0 and source is None
-    c.adopt(row, reused, source)
-    c.wrote(row, 0, [1, 2, 3, 4, 5])  # the prompt and one generated token
+    assert (row, reused, source) == (0, 0, None)  # the lowest row first, as before prefix caching
+    rows.wrote(row, 0, [1, 2, 3, 4, 5])  # the prompt and one generated token
     again, reused, source = c.place([1, 2, 3, 9, 9], free=[0, 1, 2], busy=[])
     assert (again, reused, source) == (row, 3, None)  # a partial match, in place
     whole, reused, _ = c.place([1, 2, 3, 4, 5, 6], free=[0, 1, 2], busy=[])
@@ -56,18 +58,39 @@ def test_a_free_row_holding_the_prefix_is_taken_and_the_least_recently_used_is_e
     capped, reused, _ = c.place([1, 2, 3, 4], free=[0, 1, 2], busy=[])
     assert reused == 3  # the prompt's last token is always computed: its logits choose the first new one
     miss, reused, _ = c.place([50, 51], free=[0, 1, 2], busy=[])
-    assert reused == 0 and miss != row  # a miss evicts the least recently used content, not the match
+    assert reused == 0 and miss == 1  # a miss evicts the least recently used content, not the match
 
 
 def test_a_busy_row_s_prefix_is_copied_only_when_it_is_long_enough():
-    c = RowContents(rows=2, cache_len=64)
-    c.wrote(0, 0, list(range(40)))
-    row, reused, source = c.place(list(range(40)) + [99], free=[1], busy=[0])
-    assert (row, reused, source) == (1, 40, 0)
-    c.adopt(row, reused, source)
-    assert c.shared(1, np.arange(40)) == 40
-    short, reused, source = c.place(list(range(MIN_COPY - 1)) + [99], free=[1], busy=[0])
+    rows = RowContents(rows=2, cache_len=64)
+    c = PrefixCache(rows)
+    rows.wrote(0, 0, list(range(40)))
+    assert c.place(list(range(40)) + [99], free=[1], busy=[0]) == (1, 40, 0)
+    rows.copied(0, 1, 40)
+    assert rows.shared(1, np.arange(40)) == 40
+    _, _, source = c.place(list(range(MIN_COPY - 1)) + [99], free=[1], busy=[0])
     assert source is None  # fewer than MIN_COPY positions beyond the free row's own match
+
+
+def test_the_session_keeps_its_rows_contents_whoever_writes(model):
+    """Written by any caller, invalidated from a failed step's start on, carried by a copy."""
+    batched, _ = model
+    contents = batched.row_contents
+    batched.prefill(list(range(3, 23)), slot=1)
+    assert contents.shared(1, np.arange(3, 23)) == 20
+    batched.copy_prefix(1, 2, 12)
+    assert contents.valid[2] == 12 and contents.shared(2, np.arange(3, 23)) == 12
+    with pytest.raises(Exception):
+        batched.step([Chunk([5] * 4, 10, 1), Chunk([1], CACHE, 0)])  # the second does not fit the row
+    assert contents.valid[1] == 20  # refused before running: nothing written
+    real = batched._step
+    batched._step = lambda chunks: (_ for _ in ()).throw(RuntimeError("injected"))
+    try:
+        with pytest.raises(RuntimeError):
+            batched.step([Chunk([5] * 4, 10, 1)])
+    finally:
+        del batched._step
+    assert contents.valid[1] == 10 and real is not None  # positions from the failed chunk's start are gone
 
 
 def test_the_step_budget_bounds_a_mixed_step_and_lifts_when_nobody_decodes():

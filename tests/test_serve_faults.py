@@ -236,8 +236,8 @@ def test_a_failing_step_does_not_move_other_rows_seeded_streams(sessions):
     session.step = flaky
     try:
         for i in range(30):
-            if i == 3:
-                fail_slots.add(2)  # the third request's row fails from its fourth step on
+            if i == 3:  # the third request's row fails from its fourth step on
+                fail_slots.add(next(row for row, a in engine._active.items() if a.handle is bad))
             if not engine.step():
                 break
     finally:
@@ -252,7 +252,7 @@ def test_a_broken_scheduler_ends_every_request_and_reports_unhealthy(sessions):
     engine = Engine(session, tok, prefill_chunk=32)
     with serving(engine, tok) as url:
         assert httpx.get(f"{url}/health").status_code == 200
-        engine._prompt_chunks = lambda: (_ for _ in ()).throw(RuntimeError("scheduler bug"))
+        engine._prompt_chunks = lambda budget: (_ for _ in ()).throw(RuntimeError("scheduler bug"))
         r = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": "The list", "max_tokens": 4},
                        timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "error"

@@ -19,6 +19,8 @@ import pytest
 httpx = pytest.importorskip("httpx")
 from family_fixtures import needs_kernels  # noqa: E402
 
+from linnet_core.backends import decode_kernels  # noqa: E402
+
 HOME = Path(os.environ.get("LINNET_TRITON_HOME", Path.home() / ".cache" / "linnet-tests" / "triton"))
 CASE = "qwen2-bias-tied"
 
@@ -44,9 +46,11 @@ def triton(tokenized_checkpoints, tmp_path_factory):
         pytest.skip(e.message)
     repo = tmp_path_factory.mktemp("triton") / "repo"
     export_triton(tokenized_checkpoints[CASE], repo, "torch", "float32", rows=4, cache_len=96, name="tiny", env=env)
-    quantized = repo.parent / "quantized"  # a second model of the same repository: 4-bit weights
-    export_triton(tokenized_checkpoints[CASE], quantized, "torch", "q4_0", rows=4, cache_len=96, name="tiny-q4", env=env)
-    (quantized / "tiny-q4").rename(repo / "tiny-q4")
+    if decode_kernels.extension() is not None:  # a second model of the same repository: 4-bit weights
+        quantized = repo.parent / "quantized"
+        export_triton(tokenized_checkpoints[CASE], quantized, "torch", "q4_0", rows=4, cache_len=96, name="tiny-q4",
+                      env=env)
+        (quantized / "tiny-q4").rename(repo / "tiny-q4")
     port, grpc_port = free_port(), free_port()
     log = repo.parent / "triton.log"
     proc = launch_local_triton(repo, server, port, log, grpc_port=grpc_port)

@@ -9,6 +9,7 @@ row (a serving engine's iteration). All return the next token per row, chosen on
 from __future__ import annotations
 
 from abc import ABC
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from ..errors import InputError
 from .ragged import RaggedLayout, ragged_layout
+from .row_contents import RowContents
 from .sampling import Sampler
 
 
@@ -100,7 +102,8 @@ class Session(ABC):
         if not len(ids):
             raise InputError("the prompt is empty")
         self._check(len(ids), start, slot)
-        greedy, out = self._forward([list(ids)], [start], [slot], all_logits=logits == "all")
+        with self._writing([(slot, start, ids)]):
+            greedy, out = self._forward([list(ids)], [start], [slot], all_logits=logits == "all")
         tokens = self._choose(greedy, out, [sampler])
         return StepOutput(tokens, self._to_host(out) if logits != "none" else None)
 
@@ -113,9 +116,34 @@ class Session(ABC):
             raise InputError("decode got the same cache row twice in one step")
         for p, s in zip(positions, slots):
             self._check(1, p, s)
-        greedy, out = self._forward([[t] for t in ids], list(positions), list(slots), all_logits=False)
+        with self._writing([(s, p, [t]) for t, p, s in zip(ids, positions, slots)]):
+            greedy, out = self._forward([[t] for t in ids], list(positions), list(slots), all_logits=False)
         tokens = self._choose(greedy, out, samplers or [None] * len(ids))
         return StepOutput(tokens, self._to_host(out) if logits else None)
+
+    @property
+    def row_contents(self) -> RowContents:
+        """What each row holds, kept from the first time it is asked for (before that, nobody reads it)."""
+        contents = self.__dict__.get("_row_contents")
+        if contents is None:
+            contents = self.__dict__["_row_contents"] = RowContents(self.rows, self.cache_len)
+        return contents
+
+    @contextmanager
+    def _writing(self, pieces):
+        """Around a call that writes `pieces` ((row, start, ids)): recorded in `row_contents` when it
+        succeeds; when it fails, whatever it may have written from each start on is not trusted."""
+        contents = self.__dict__.get("_row_contents")
+        try:
+            yield
+        except BaseException:
+            if contents is not None:
+                for slot, start, _ in pieces:
+                    contents.truncate(slot, start)
+            raise
+        if contents is not None:
+            for slot, start, ids in pieces:
+                contents.wrote(slot, start, ids)
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Make cache row `dst` hold what row `src` holds in positions [0, n) (prefix caching: a prompt
@@ -123,7 +151,10 @@ class Session(ABC):
         if not (0 <= src < self.rows and 0 <= dst < self.rows and 0 <= n <= self.cache_len):
             raise InputError(f"cannot copy {n} positions from row {src} to row {dst}")
         if src != dst and n:
-            self._copy_rows(src, dst, n)
+            with self._writing([(dst, 0, ())]):
+                self._copy_rows(src, dst, n)
+            if "_row_contents" in self.__dict__:
+                self.row_contents.copied(src, dst, n)
 
     def _copy_rows(self, src: int, dst: int, n: int) -> None:
         raise NotImplementedError
@@ -136,6 +167,10 @@ class Session(ABC):
             raise InputError("a step got the same cache row twice")
         for c in chunks:
             self._check(len(c.ids), c.start, c.slot)
+        with self._writing([(c.slot, c.start, c.ids) for c in chunks]):
+            return self._step(chunks)
+
+    def _step(self, chunks: Sequence[Chunk]) -> list[int]:
         if self.ragged:
             greedy, logits = self._run_ragged(ragged_layout([c.ids for c in chunks], [c.start for c in chunks],
                                                             [c.slot for c in chunks]))

@@ -34,7 +34,7 @@ from ..runtime.session import Chunk, Session
 from ..runtime.threads import release_openmp_pool
 from ..tokenizer import IncrementalDecoder, Tokenizer
 from .metrics import EngineMetrics, Histogram
-from .prefix_cache import RowContents
+from .prefix_cache import PrefixCache
 from .step_budget import StepBudget
 
 log = logging.getLogger("linnet.serve")
@@ -204,7 +204,7 @@ class Engine:
         self.eos_ids = set(eos_ids if eos_ids is not None else (tokenizer.eos_ids if tokenizer else ()))
         self.prefill_chunk, self.max_waiting = prefill_chunk, max_waiting
         self.budget = StepBudget(prefill_chunk, decode_stall)
-        self.contents = RowContents(self.rows, self.cache_len) if prefix_caching else None
+        self.prefix = PrefixCache(session.row_contents) if prefix_caching else None
         self._waiting: deque[Handle] = deque()
         self._active: dict[int, _Active] = {}  # row -> request
         self._free = list(range(self.rows))[::-1]
@@ -293,17 +293,16 @@ class Engine:
 
     def _admit(self, handle: Handle) -> None:
         """Into the free row holding the longest prefix of its prompt (or given a busy row's copy)."""
-        reused, source = 0, None
-        if self.contents is None:
+        reused = 0
+        if self.prefix is None:
             row = self._free.pop()
         else:
-            row, reused, source = self.contents.place(handle.request.prompt, self._free, list(self._active))
+            row, reused, source = self.prefix.place(handle.request.prompt, self._free, list(self._active))
             if source is not None:
                 try:
                     self.session.copy_prefix(source, row, reused)
                 except NotImplementedError:  # this backend copies no rows: the prompt is computed whole
-                    reused, source = 0, None
-            self.contents.adopt(row, reused, source)
+                    reused = 0
             self._free.remove(row)
         with self.metrics.lock:
             self.metrics.admitted(len(handle.request.prompt), reused)
@@ -311,17 +310,16 @@ class Engine:
 
     def _catch_up(self, a: _Active) -> None:
         """Copy the positions of `a`'s prompt that another row has filled since `a` took its row."""
-        if self.contents is None:
+        if self.prefix is None:
             return
         rows = list(self._active) + self._free
-        source, n = self.contents.catch_up(a.row, a.handle.request.prompt, a.prefilled, rows)
+        source, n = self.prefix.catch_up(a.row, a.handle.request.prompt, a.prefilled, rows)
         if source is None:
             return
         try:
             self.session.copy_prefix(source, a.row, n)
         except NotImplementedError:
             return
-        self.contents.adopt(a.row, n, source)
         with self.metrics.lock:
             self.metrics.caught_up(first=not a.found_prefix, tokens=n - a.prefilled)
         a.prefilled, a.found_prefix = n, True
@@ -361,8 +359,6 @@ class Engine:
         decoding = sum(1 for a, c in work if len(c.ids) == 1 and a.last is not None)
         self.budget.observe(sum(len(c.ids) for _, c in work) - decoding, decoding, time.perf_counter() - started)
         for (a, chunk), token in zip(work, tokens, strict=True):
-            if self.contents is not None:
-                self.contents.wrote(a.row, chunk.start, chunk.ids)
             try:
                 if len(chunk.ids) == 1 and a.last is not None:  # a decode step
                     a.position += 1
@@ -406,8 +402,6 @@ class Engine:
             cut = _first_stop(tail, a.handle.request.stop)
             tail = tail if cut is None else tail[:cut]
         self._active.pop(a.row, None)
-        if self.contents is not None and reason == "error":
-            self.contents.forget(a.row)  # what a failed step left in it is not trusted again
         with self._wake:
             self._free.append(a.row)
         st = a.handle.stats
