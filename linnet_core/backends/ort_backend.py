@@ -191,17 +191,19 @@ class OnnxRuntimeBackend(Backend):
     def write_weights(self, graph: Graph, ckpt: Checkpoint, dtype: str, out: Path, emitted, place: Placer) -> None:
         emitted(ckpt, place)
 
-    def session_options(self, device: str, dtype: str):
+    def session_options(self, device: str, dtype: str, rows: int = 1):
         ort = import_ort()
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.intra_op_num_threads = torch.get_num_threads()
         so.log_severity_level = 3  # errors only: its warnings are not the user's business
-        if device == "cpu" and dtype == "float32":
+        if device == "cpu" and dtype == "float32" and rows == 1:
             # ORT maps float32 external data; prepacking would copy every MatMul weight into MLAS's
             # panels (a 4B model: 27 s and 17.5 GB of anonymous memory) for ~20% faster prefill and
-            # the same decode. float16 is cast to float32 at load anyway, and packed runs 1.3x faster;
-            # MatMulNBits packs its blocks (a copy of a quarter to a half of float32's bytes).
+            # the same one-row decode. With more rows every step is a GEMM of M >= 2, which packs the
+            # whole weight again each call unpacked (8 rows, 191M, AVX2: 91 ms a step against 28 for
+            # one row), so a session of several rows packs once. float16 is cast to float32 at load
+            # anyway, and packed runs 1.3x faster; MatMulNBits packs its blocks.
             so.add_session_config_entry("session.disable_prepacking", "1")
         return so
 
@@ -212,7 +214,7 @@ class OnnxRuntimeBackend(Backend):
         info = read_info(artifact)
         providers = self.providers(device)
         try:
-            sess = ort.InferenceSession(str(artifact / "model.onnx"), self.session_options(device, info["dtype"]),
+            sess = ort.InferenceSession(str(artifact / "model.onnx"), self.session_options(device, info["dtype"], rows),
                                         providers=providers, provider_options=self.provider_options(artifact, device))
         except Exception as e:
             err = _missing_kernel(e, providers[0], info["dtype"])

@@ -13,6 +13,7 @@ requests, each turn's prompt the one before, an answer and a new question.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 from pathlib import Path
@@ -96,6 +97,7 @@ class RequestResult:
     token_times: list[float] = field(default_factory=list)
     end: float = 0.0
     error: str | None = None
+    retried: bool = False  # sent again once: the first connection closed before any answer
 
     @property
     def ttft(self) -> float | None:
@@ -122,7 +124,7 @@ def summarize(name: str, results: list[RequestResult], wall: float, workload: Wo
     ms = 1000.0
     row = {"target": name, "requests": len(results), "failed": len(results) - len(ok), "output_tokens": tokens,
            "wall_s": wall, "output_tok_s": tokens / wall if wall else None, "request_s": len(ok) / wall if wall else None,
-           "peak_memory_bytes": peak_memory, "note": note,
+           "peak_memory_bytes": peak_memory, "note": note, "retried": sum(r.retried for r in results),
            "errors": sorted({r.error for r in results if r.error})[:5]}
     for key, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         row[f"{key}_ms_median"] = _pct(values, 50) * ms if values else None
@@ -206,7 +208,14 @@ async def _stream(client, path: str, body: dict, tokens_in) -> RequestResult:
 
     res = RequestResult(True, time.perf_counter())
     try:
-        async with client.stream("POST", path, json=body) as r:
+        try:
+            response = await client.send(client.build_request("POST", path, json=body), stream=True)
+        except httpx.RemoteProtocolError:
+            # A kept-alive connection the server had just closed (llama-server's httplib closes one after
+            # a few requests): nothing was sent or answered, so the request goes again on a fresh one.
+            res.retried = True
+            response = await client.send(client.build_request("POST", path, json=body), stream=True)
+        async with contextlib.aclosing(response) as r:
             if r.status_code != 200:
                 await r.aread()
                 return RequestResult(False, res.start, end=time.perf_counter(),
@@ -539,6 +548,9 @@ def notes(result: dict) -> list[str]:
             out.append(f"{r['label']}: {r['note']}")
         if r.get("failed"):
             out.append(f"{r['label']}: {r['failed']} of {r['requests']} requests failed: " + "; ".join(r["errors"]))
+        if r.get("retried"):
+            out.append(f"{r['label']}: {r['retried']} requests sent again once, their first connection closed by "
+                       "the server before any answer (their time counts)")
     return out
 
 
