@@ -4,6 +4,7 @@ something else, a request that fails and why; llama-server as a target when its 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from test_cli import assert_one_line_error, invoke
@@ -104,3 +105,33 @@ def test_llama_server_missing_is_the_reason_and_the_command(tokenized_checkpoint
     monkeypatch.setenv("LINNET_LLAMA_SERVER", str(tmp_path / "nothing"))
     with pytest.raises(InputError, match="not an executable"):
         llama_server.find()
+
+
+def _built_llama_server():
+    """llama-server where this machine has one: on PATH, LINNET_LLAMA_SERVER, or built under the
+    user's own cache (the tests point LINNET_CACHE elsewhere)."""
+    import os
+    from pathlib import Path
+
+    from linnet_core.bench.llama_server import SOURCE_VERSION
+
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "linnet" / "tools"
+    built = home / f"llama-server-{SOURCE_VERSION}" / "llama-server"
+    return os.environ.get("LINNET_LLAMA_SERVER") or shutil.which("llama-server") or (
+        str(built) if built.exists() else None)
+
+
+@pytest.mark.skipif(_built_llama_server() is None,
+                    reason="no llama-server here (linnet bench --serving --target llama-server --build-llama-server)")
+def test_llama_server_serves_the_same_requests_beside_linnet(tokenized_checkpoints, monkeypatch, tmp_path):
+    monkeypatch.setenv("LINNET_LLAMA_SERVER", _built_llama_server())
+    out = tmp_path / "serving.json"
+    r = invoke("bench", tokenized_checkpoints["qwen2-bias-tied"], "--serving", "--target", "http,llama-server",
+               "--requests", "6", "--prompt-range", "4-12", "--new-tokens", "5", "--concurrency", "3", "--rows", "3",
+               "--shared-prefix", "20", "--save", out, "--markdown")
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(out.read_text())
+    rows = {t["target"]: t for t in data["targets"]}
+    assert rows["llama-server"]["failed"] == 0 and rows["llama-server"]["output_tokens"] == 6 * 5
+    assert rows["http"]["failed"] == 0 and rows["http"]["output_tokens"] == 6 * 5
+    assert "-np 3" in rows["llama-server"]["note"] and "llama-server (llama.cpp)" in r.stdout
