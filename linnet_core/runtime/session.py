@@ -151,7 +151,7 @@ class Session(ABC):
         if not (0 <= src < self.rows and 0 <= dst < self.rows and 0 <= n <= self.cache_len):
             raise InputError(f"cannot copy {n} positions from row {src} to row {dst}")
         if src != dst and n:
-            with self._writing([(dst, 0, ())]):
+            with self._writing([(dst, 0, ())]):  # a copy that fails leaves nothing of dst trusted
                 self._copy_rows(src, dst, n)
             if "_row_contents" in self.__dict__:
                 self.row_contents.copied(src, dst, n)
