@@ -83,14 +83,13 @@ def test_the_session_keeps_its_rows_contents_whoever_writes(model):
     with pytest.raises(Exception):
         batched.step([Chunk([5] * 4, 10, 1), Chunk([1], CACHE, 0)])  # the second does not fit the row
     assert contents.valid[1] == 20  # refused before running: nothing written
-    real = batched._step
-    batched._step = lambda chunks: (_ for _ in ()).throw(RuntimeError("injected"))
+    batched._run_chunks = lambda chunks: (_ for _ in ()).throw(RuntimeError("injected"))
     try:
         with pytest.raises(RuntimeError):
             batched.step([Chunk([5] * 4, 10, 1)])
     finally:
-        del batched._step
-    assert contents.valid[1] == 10 and real is not None  # positions from the failed chunk's start are gone
+        del batched._run_chunks
+    assert contents.valid[1] == 10  # positions from the failed chunk's start are gone
 
 
 def test_the_step_budget_bounds_a_mixed_step_and_lifts_when_nobody_decodes():
@@ -251,3 +250,21 @@ def test_requests_arriving_together_compute_their_shared_prefix_once(model):
         assert h.result()[1] == run_alone(alone, r.prompt, 4, r.sampling)
     assert sum(computed) < len(system) + 3 * 8  # the prefix once, then each request's own few tokens
     assert engine.metrics.prefix_hits == 2 and engine.metrics.prefix_reused_tokens >= 2 * (len(system) - 16)
+
+
+@pytest.mark.skipif(not HAVE["jax"], reason="jax is not installed")
+def test_a_copied_prefix_continues_as_computed_on_jax(tokenized_checkpoints):
+    """XLA's cache is immutable and donated: the copy is one compiled whole-row update."""
+    path = tokenized_checkpoints[CASE]
+    batched, _ = load_model(path, "jax", "float32", CACHE, rows=2)
+    alone, _ = load_model(path, "jax", "float32", CACHE, rows=1)
+    prompt = SYSTEM + [250, 251, 252]
+    assert batched.row_contents.valid.sum() == 0  # recorded from here on
+    batched.prefill(SYSTEM + [240], slot=0)
+    batched.copy_prefix(0, 1, len(SYSTEM))
+    batched.prefill([5, 6, 7], slot=0)  # row 0 holds something else now: only the copy has the prefix
+    engine = Engine(batched, None, prefill_chunk=16)
+    handle = engine.submit(GenerationRequest(prompt, 5, ignore_eos=True))
+    drain(engine)
+    assert engine.metrics.prefix_reused_tokens == len(SYSTEM)
+    assert handle.result()[1] == run_alone(alone, prompt, 5)

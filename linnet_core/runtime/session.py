@@ -168,9 +168,9 @@ class Session(ABC):
         for c in chunks:
             self._check(len(c.ids), c.start, c.slot)
         with self._writing([(c.slot, c.start, c.ids) for c in chunks]):
-            return self._step(chunks)
+            return self._run_chunks(chunks)
 
-    def _step(self, chunks: Sequence[Chunk]) -> list[int]:
+    def _run_chunks(self, chunks: Sequence[Chunk]) -> list[int]:
         if self.ragged:
             greedy, logits = self._run_ragged(ragged_layout([c.ids for c in chunks], [c.start for c in chunks],
                                                             [c.slot for c in chunks]))
