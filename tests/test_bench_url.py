@@ -135,3 +135,39 @@ def test_llama_server_serves_the_same_requests_beside_linnet(tokenized_checkpoin
     assert rows["llama-server"]["failed"] == 0 and rows["llama-server"]["output_tokens"] == 6 * 5
     assert rows["http"]["failed"] == 0 and rows["http"]["output_tokens"] == 6 * 5
     assert "-np 3" in rows["llama-server"]["note"] and "llama-server (llama.cpp)" in r.stdout
+
+
+FAKE_LLAMA_SERVER = """#!{python}
+# Crashes as llama.cpp's AMX matmul does at start-up unless told --no-repack (or always, if {always}); else answers /health.
+import http.server, os, signal, sys
+args = sys.argv[1:]
+if {always} or "--no-repack" not in args:
+    os.kill(os.getpid(), signal.SIGSEGV)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{{}}")
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Health).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("always", [False, True])
+def test_a_llama_server_that_crashes_at_start_up_runs_again_without_repacking(tmp_path, always):
+    import os
+    import signal
+    import sys
+
+    binary = tmp_path / "llama-server"
+    binary.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable, always=always))
+    binary.chmod(0o700)
+    if always:  # a crash the workaround does not mend is the reason, once
+        with pytest.raises(InputError, match="llama-server exited with -11"):
+            llama_server.start(binary, tmp_path / "m.gguf", 2, 16, 1, tmp_path / "log", timeout=30)
+        return
+    proc, url, workaround = llama_server.start(binary, tmp_path / "m.gguf", 2, 16, 1, tmp_path / "log", timeout=30)
+    try:
+        assert workaround == ("--no-repack",) and url.startswith("http://127.0.0.1:")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)

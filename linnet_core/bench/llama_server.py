@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import tarfile
 import tempfile
@@ -131,16 +132,34 @@ def _run(cmd: list[str], log: Path) -> None:
         raise LlamaServerMissing(f"building llama-server failed ({cmd[1]} exited {done.returncode}): {tail[0][:200]}")
 
 
+# llama.cpp's AMX matmul crashes at its warm-up on some Xeons (ggml-org/llama.cpp#20824, q8_0/q4_0
+# here): without repacking, the weights stay off the AMX buffers and it runs.
+NO_REPACK = "--no-repack"
+
+
 def start(binary: Path, gguf: Path, slots: int, ctx_per_slot: int, threads: int, log: Path,
-          timeout: float = 600) -> tuple[subprocess.Popen, str]:
-    """llama-server on `gguf` with `slots` slots of `ctx_per_slot` positions each, ready to take requests."""
+          timeout: float = 600) -> tuple[subprocess.Popen, str, tuple[str, ...]]:
+    """llama-server on `gguf` with `slots` slots of `ctx_per_slot` positions each, ready to take requests; with
+    the workaround flags it needed (`--no-repack` where it crashed at start-up with its weights repacked)."""
+    try:
+        return (*_start(binary, gguf, slots, ctx_per_slot, threads, log, timeout, ()), ())
+    except _CrashedAtStart:
+        return (*_start(binary, gguf, slots, ctx_per_slot, threads, log, timeout, (NO_REPACK,)), (NO_REPACK,))
+
+
+class _CrashedAtStart(InputError):
+    pass
+
+
+def _start(binary: Path, gguf: Path, slots: int, ctx_per_slot: int, threads: int, log: Path, timeout: float,
+           extra: tuple[str, ...]) -> tuple[subprocess.Popen, str]:
     import httpx
 
     from ..serve import free_port
 
     port = free_port()
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-           "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads), "--no-webui"]
+           "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads), "--no-webui", *extra]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -148,7 +167,9 @@ def start(binary: Path, gguf: Path, slots: int, ctx_per_slot: int, threads: int,
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
-            raise InputError(f"llama-server exited with {proc.returncode}: {tail[0][:200]}")
+            crashed = proc.returncode == -signal.SIGSEGV and not extra
+            raise (_CrashedAtStart if crashed else InputError)(
+                f"llama-server exited with {proc.returncode}: {tail[0][:200]}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return proc, url

@@ -215,6 +215,20 @@ def _read_afresh(weights: Path) -> None:
         drop_cached(weights)
 
 
+def gguf_for_llama_cpp(m: Model, dtype: str, out: Path, progress) -> tuple[Path, float | None]:
+    """The same weights in the bench dtype as llama.cpp reads them: a GGUF source as it is stored, else an export
+    to `out`; with the export's seconds (None when nothing was exported)."""
+    if m.is_gguf:
+        if dtype != m.spec.dtype:
+            raise InputError(f"llama.cpp runs the file as it is stored ({m.spec.dtype}); bench --dtype {m.spec.dtype} "
+                             "to put it beside Linnet")
+        return Path(m.path), None
+    from ..export.gguf_export import export_gguf
+
+    progress("exporting GGUF for llama.cpp")
+    return out, export_gguf(m, out, FORMATS[dtype].gguf, force=True, check=False).seconds
+
+
 def _prepare(side: Side, m: Model, dtype: str, method: Method, workdir: Path, reporter: Reporter) -> dict:
     """Whatever the side's worker needs beyond the model: a compiled artifact, or an export."""
     s = side.subject
@@ -234,20 +248,10 @@ def _prepare(side: Side, m: Model, dtype: str, method: Method, workdir: Path, re
             reporter.stage("exporting the GGUF as a Hugging Face checkpoint for transformers")
             side.prepare_s = export_hf(m, out, "float32" if FORMATS[dtype].quantized else dtype, check=False).seconds
         return {"model": str(out)}
-    if s.key == "llama.cpp" and m.is_gguf:
-        if dtype != m.spec.dtype:
-            raise InputError(f"llama.cpp runs the file as it is stored ({m.spec.dtype}); bench --dtype {m.spec.dtype} "
-                             "to put it beside Linnet")
-        _read_afresh(m.path)
-        return {"gguf": str(m.path)}
     if s.key == "llama.cpp":
-        from ..export.gguf_export import export_gguf
-
-        reporter.stage("exporting GGUF for llama.cpp")
-        out = workdir / "model.gguf"
-        side.prepare_s = export_gguf(m, out, FORMATS[dtype].gguf, force=True, check=False).seconds
-        _read_afresh(out)
-        return {"gguf": str(out)}
+        gguf, side.prepare_s = gguf_for_llama_cpp(m, dtype, workdir / "model.gguf", reporter.stage)
+        _read_afresh(gguf)
+        return {"gguf": str(gguf)}
     if s.key in ("vllm", "sglang"):
         from ..export.hf_export import export_hf
 

@@ -99,6 +99,13 @@ class RequestResult:
     error: str | None = None
     retried: bool = False  # sent again once: the first connection closed before any answer
 
+    def failed(self, error: str, keep_tokens: bool = False) -> "RequestResult":
+        """This request, ended now with `error`; the tokens it had timed count only where `keep_tokens`."""
+        self.ok, self.end, self.error = False, time.perf_counter(), error
+        if not keep_tokens:
+            self.token_times = []
+        return self
+
     @property
     def ttft(self) -> float | None:
         return self.token_times[0] - self.start if self.token_times else None
@@ -218,21 +225,19 @@ async def _stream(client, path: str, body: dict, tokens_in) -> RequestResult:
         async with contextlib.aclosing(response) as r:
             if r.status_code != 200:
                 await r.aread()
-                return RequestResult(False, res.start, end=time.perf_counter(),
-                                     error=f"HTTP {r.status_code}: {r.text[:200]}")
+                return res.failed(f"HTTP {r.status_code}: {r.text[:200]}")
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     event = json.loads(line[6:])
                     if isinstance(event, dict) and event.get("error"):  # the server gave up mid-stream
-                        return RequestResult(False, res.start, res.token_times, time.perf_counter(),
-                                             f"the server's error event: {json.dumps(event['error'])[:160]}")
+                        return res.failed(f"the server's error event: {json.dumps(event['error'])[:160]}",
+                                          keep_tokens=True)
                     n = tokens_in(event, len(res.token_times))
                     res.token_times += [time.perf_counter()] * n
     except httpx.HTTPError as e:  # the reason in the report: "RemoteProtocolError: peer closed connection ..."
-        return RequestResult(False, res.start, end=time.perf_counter(), error=f"{type(e).__name__}: {e}"[:200])
+        return res.failed(f"{type(e).__name__}: {e}"[:200])
     except (ValueError, KeyError, TypeError, IndexError) as e:
-        return RequestResult(False, res.start, end=time.perf_counter(),
-                             error=f"an event that is not a completion chunk ({type(e).__name__}: {e})"[:200])
+        return res.failed(f"an event that is not a completion chunk ({type(e).__name__}: {e})"[:200])
     res.end = time.perf_counter()
     return res
 
@@ -464,20 +469,11 @@ def _measure(target: str, m, backend: str, dtype: str, rows: int, cache_len: int
 
 def _gguf_for_llama_server(m, dtype: str, scratch: Path, progress) -> Path:
     """The same weights in the bench dtype as llama.cpp reads them (a GGUF source as it is)."""
-    from ..dtypes import FORMATS
-    from ..export.gguf_export import export_gguf
     from . import llama_server
+    from .run import gguf_for_llama_cpp
 
     llama_server.require()  # before minutes of exporting
-    if m.is_gguf:
-        if dtype != m.spec.dtype:
-            raise InputError(f"llama-server runs the file as it is stored ({m.spec.dtype}); bench --dtype "
-                             f"{m.spec.dtype} to put it beside Linnet")
-        return Path(m.path)
-    progress("serving bench: exporting GGUF for llama-server")
-    out = scratch / "model.gguf"
-    export_gguf(m, out, FORMATS[dtype].gguf, force=True, check=False)
-    return out
+    return gguf_for_llama_cpp(m, dtype, scratch / "model.gguf", lambda text: progress(f"serving bench: {text}"))[0]
 
 
 def _llama_server_target(gguf: Path, rows: int, cache_len: int, workload: Workload, prompts: list[list[int]],
@@ -489,16 +485,20 @@ def _llama_server_target(gguf: Path, rows: int, cache_len: int, workload: Worklo
     from .machine import peak_rss
 
     threads = torch.get_num_threads()
-    proc, url = llama_server.start(llama_server.require(), gguf, rows, cache_len, threads, scratch / "llama-server.log")
+    proc, url, workaround = llama_server.start(llama_server.require(), gguf, rows, cache_len, threads,
+                                               scratch / "llama-server.log")
     try:
         results, wall = run_http(url, workload, prompts, extra={"cache_prompt": True})
         peak = peak_rss(proc.pid)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
+    crashed = (f"; {' '.join(workaround)}: it crashed (SIGSEGV) at start-up with repacking on, as ggml's AMX "
+               "matmul does on some Xeons (llama.cpp issue 20824)") if workaround else ""
     return summarize("llama-server", results, wall, workload, peak,
                      f"-np {rows} -c {rows * cache_len} -t {threads}, its default float16 KV cache; started afresh "
-                     "each round (prompt cache cold), its slots' prompt reuse on as by default; peak RSS of the server")
+                     "each round (prompt cache cold), its slots' prompt reuse on as by default; peak RSS of the "
+                     f"server{crashed}")
 
 
 COLUMNS = (("output tok/s", "output_tok_s", "{:,.1f}"), ("speed-up", "speedup", "{:.2f}×"),

@@ -151,10 +151,15 @@ class Session(ABC):
         if not (0 <= src < self.rows and 0 <= dst < self.rows and 0 <= n <= self.cache_len):
             raise InputError(f"cannot copy {n} positions from row {src} to row {dst}")
         if src != dst and n:
-            with self._writing([(dst, 0, ())]):  # a copy that fails leaves nothing of dst trusted
+            contents = self.__dict__.get("_row_contents")
+            try:
                 self._copy_rows(src, dst, n)
-            if "_row_contents" in self.__dict__:
-                self.row_contents.copied(src, dst, n)
+            except BaseException:
+                if contents is not None:
+                    contents.truncate(dst, 0)  # a copy that fails leaves nothing of dst trusted
+                raise
+            if contents is not None:
+                contents.copied(src, dst, n)
 
     def _copy_rows(self, src: int, dst: int, n: int) -> None:
         raise NotImplementedError
