@@ -113,10 +113,7 @@ def _built_llama_server():
     import os
     from pathlib import Path
 
-    from linnet_core.bench.llama_server import SOURCE_VERSION
-
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "linnet" / "tools"
-    built = home / f"llama-server-{SOURCE_VERSION}" / "llama-server"
+    built = llama_server.built_path(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "linnet")
     return os.environ.get("LINNET_LLAMA_SERVER") or shutil.which("llama-server") or (
         str(built) if built.exists() else None)
 

@@ -106,6 +106,14 @@ def test_the_step_budget_bounds_a_mixed_step_and_lifts_when_nobody_decodes():
         b.observe(20, 4, 0.100)
     assert b.prompt_tokens(decoding=4) == pytest.approx(30, abs=1)  # (2 - 1) x (52 + 4 x 2) ms at 2 ms a token
     assert StepBudget(256, 2.0).prompt_tokens(4) == 256 and StepBudget(64, 10.0).prompt_tokens(1) <= 64
+    # More rows waiting for their prompts than decoding: the bound grows by that ratio
+    assert b.prompt_tokens(decoding=3, prefilling=6) == pytest.approx(2 * 29, abs=3)  # (52 + 3 x 2) ms / 2 ms x 2
+    assert b.prompt_tokens(decoding=2, prefilling=6) == 4 * 256  # three times as many: as if nobody decoded
+    # Every decoding row ends within four steps: prompt work waits for them; else it goes on
+    assert b.prompt_tokens(decoding=4, prefilling=1, draining_in=4) == 0
+    assert b.prompt_tokens(decoding=4, prefilling=1, draining_in=5) == pytest.approx(30, abs=1)
+    # Nobody decoding: every waiting prompt advances a chunk, four at most
+    assert b.prompt_tokens(decoding=0, prefilling=3) == 3 * 256 and b.prompt_tokens(0, 8) == 4 * 256
     with pytest.raises(ValueError):
         StepBudget(256, 0.5)
 
@@ -203,7 +211,7 @@ def test_a_prefix_evicted_while_another_request_extends_it(model):
 def test_a_step_with_decoding_rows_keeps_to_the_budget(model, monkeypatch):
     batched, alone = model
     engine = Engine(batched, None, prefill_chunk=32)
-    monkeypatch.setattr(engine.budget, "prompt_tokens", lambda decoding: 5 if decoding else 32)
+    monkeypatch.setattr(engine.budget, "prompt_tokens", lambda decoding, *_: 5 if decoding else 32)
     seen = []
     real = batched.step
 
@@ -224,6 +232,53 @@ def test_a_step_with_decoding_rows_keeps_to_the_budget(model, monkeypatch):
         assert prompt_tokens <= (5 if decode else 32)
         mixed += bool(decode and prompt_tokens)
     assert mixed > 0  # the load did mix prompt work with decoding rows
+
+
+def _recording(batched, monkeypatch) -> list:
+    """The chunks of every step the session runs from now on."""
+    seen, real = [], batched.step
+
+    def step(chunks):
+        seen.append([(len(c.ids), c.start, c.slot) for c in chunks])
+        return real(chunks)
+
+    monkeypatch.setattr(batched, "step", step)
+    return seen
+
+
+def test_prompt_work_waits_for_decoding_rows_about_to_end(model, monkeypatch):
+    batched, alone = model
+    engine = Engine(batched, None, prefill_chunk=64)
+    first = [engine.submit(GenerationRequest([5 + i] * 10, 4, ignore_eos=True)) for i in range(2)]
+    engine.step()  # both prompts in one step: nobody decodes yet
+    engine.step()  # token 2 of 4 each: two steps left
+    late = engine.submit(GenerationRequest([9] * 12, 3, ignore_eos=True))
+    seen = _recording(batched, monkeypatch)
+    drain(engine)
+    shapes = [sorted((n, start) for n, start, _ in step) for step in seen]
+    assert shapes[:3] == [[(1, 11), (1, 11)], [(1, 12), (1, 12)], [(12, 0)]]  # the prompt waits for them, then goes
+    assert [h.result()[1] for h in first + [late]] == [run_alone(alone, h.request.prompt, h.request.max_tokens)
+                                                       for h in first + [late]]
+
+
+def test_requests_arriving_in_a_burst_are_admitted_together(model, monkeypatch):
+    import time
+
+    batched, alone = model
+    engine = Engine(batched, None, prefill_chunk=64, burst_wait=(0.2, 2.0)).start()
+    try:
+        seen = _recording(batched, monkeypatch)
+        reqs = [GenerationRequest([20 + i] * (6 + i), 3, ignore_eos=True) for i in range(3)]
+        handles = []
+        for r in reqs:  # 50 ms apart: within the quiet time, so one burst
+            handles.append(engine.submit(r))
+            time.sleep(0.05)
+        results = [h.result()[1] for h in handles]
+    finally:
+        engine.stop(timeout=10)
+    assert sorted(n for n, start, _ in seen[0]) == [6, 7, 8]  # the three prompts in the first step
+    assert all(len(step) == 3 and all(n == 1 for n, _, _ in step) for step in seen[1:])  # then in step
+    assert results == [run_alone(alone, r.prompt, 3) for r in reqs]
 
 
 def test_requests_arriving_together_compute_their_shared_prefix_once(model):
@@ -248,7 +303,9 @@ def test_requests_arriving_together_compute_their_shared_prefix_once(model):
         del batched.step
     for r, h in zip(reqs, handles, strict=True):
         assert h.result()[1] == run_alone(alone, r.prompt, 4, r.sampling)
-    assert sum(computed) < len(system) + 3 * 8  # the prefix once, then each request's own few tokens
+    # The prefix once (but a tail shorter than MIN_COPY, which the others compute beside it), then each
+    # request's own few tokens
+    assert sum(computed) < len(system) + 2 * MIN_COPY + 3 * 8
     assert engine.metrics.prefix_hits == 2 and engine.metrics.prefix_reused_tokens >= 2 * (len(system) - 16)
 
 

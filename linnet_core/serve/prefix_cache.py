@@ -8,7 +8,7 @@ taken, so a later request with the same system prompt, few-shot examples or earl
 it there. When a busy row shares a longer prefix than any free row, its positions are copied into
 the free row the request gets (`Session.copy_prefix`), and a request still filling its prompt copies
 positions another row has filled meanwhile (requests that arrive together with one system prompt
-compute it once: the oldest fills it, the others wait their turn and copy it). Free rows are taken
+compute it once: the oldest fills it, the others skip the steps that compute it and copy it). Free rows are taken
 in least-recently-used order when no content matches: that is the eviction. A position's keys and
 values depend only on the tokens up to it, so reused positions are those the request would have
 computed.
@@ -50,6 +50,17 @@ class PrefixCache:
             row, reused, source = lru, 0, None
         self.used[row] = self._clock
         return row, reused, source
+
+    def computed_beside(self, prompt, filled: int, planned: list[tuple[np.ndarray, int]]) -> bool:
+        """Whether a chunk already planned for this step (its prompt, end) computes at least MIN_COPY
+        more of `prompt` than the `filled` positions: then this request waits and copies them after."""
+        p = np.asarray(prompt, dtype=np.int64)[:-1]
+        for other, end in planned:
+            n = min(len(p), end)
+            differ = np.flatnonzero(p[:n] != other[:n])
+            if (int(differ[0]) if len(differ) else n) >= filled + MIN_COPY:
+                return True
+        return False
 
     def catch_up(self, row: int, prompt, filled: int, rows) -> tuple[int | None, int]:
         """(row to copy from, positions) when another of `rows` holds at least MIN_COPY more of a

@@ -6,12 +6,22 @@ decode-only step, as vLLM's chunked prefill bounds a step by its token budget an
 n_batch, but in time, since on a CPU a prompt token costs far more than on a GPU. The time is
 modelled from the steps the engine has run: seconds = base + per_token x tokens, fitted by least
 squares with older steps fading (decode-only steps and mixed ones both inform it, so it holds when
-prompt work never stops). With no row decoding nobody waits: the step takes up to `max_chunk`.
+prompt work never stops).
+
+Two cases move the bound. Rows waiting for their prompts are idle capacity too, so when they
+outnumber the decoding rows the bound grows by that ratio, and at `FEW_DECODING` times as many it
+goes (a burst of arrivals is computed at once, not trickled beside one decoding row). And when every decoding row ends within
+`DRAIN_STEPS` steps (its max_tokens or the cache's end), prompt work waits for them: a step later it
+stalls nobody. With no row decoding nobody waits: every prompt advances up to `max_chunk`, at most
+at most `BURST_CHUNKS` chunks' worth in all (a step's activations grow with its tokens).
 """
 
 from __future__ import annotations
 
 KEEP = 0.95  # weight left to the steps before each new one (about the last 20 steps count)
+DRAIN_STEPS = 4  # prompt work waits while every decoding row ends within this many steps
+BURST_CHUNKS = 4  # with nobody decoding, a step takes at most this many chunks' worth of prompt tokens
+FEW_DECODING = 3  # rows waiting for prompts this many times the decoding ones: bound lifted
 
 
 class StepBudget:
@@ -38,11 +48,20 @@ class StepBudget:
             return None
         return max(0.0, (sy - per_token * sx) / n), per_token
 
-    def prompt_tokens(self, decoding: int) -> int:
-        """Prompt tokens the next step may take when `decoding` rows decode in it (at least one)."""
-        fit = self.cost() if self.stall is not None and decoding else None
+    def prompt_tokens(self, decoding: int, prefilling: int = 1, draining_in: int | None = None) -> int:
+        """Prompt tokens the next step may take when `decoding` rows decode in it and `prefilling` rows
+        wait for their prompts; `draining_in`: the steps until the last decoding row ends, if known."""
+        if not decoding:
+            return self.max_chunk * min(max(1, prefilling), BURST_CHUNKS)
+        if self.stall is None:
+            return self.max_chunk
+        if draining_in is not None and draining_in <= DRAIN_STEPS:
+            return 0
+        fit = self.cost()
         if fit is None:
-            return self.max_chunk  # nobody waits, or too little measured yet: the first steps find out
+            return self.max_chunk  # too little measured yet: the first steps find out
+        if prefilling >= FEW_DECODING * decoding:  # the few decoding rows wait one long step; the rest start
+            return self.prompt_tokens(0, prefilling)
         base, per_token = fit
-        room = (self.stall - 1.0) * (base + per_token * decoding) / per_token
-        return max(1, min(self.max_chunk, int(room)))
+        room = (self.stall - 1.0) * (base + per_token * decoding) / per_token * max(1.0, prefilling / decoding)
+        return max(1, min(self.max_chunk * max(1, prefilling), int(room)))

@@ -1,0 +1,71 @@
+"""`linnet serve` beside llama.cpp's `llama-server` on the issue's workloads, one table of ratios.
+
+Runs `linnet bench --serving` (the CLI, as a user would) once per dtype and workload, each server
+started afresh, and prints per row: output tok/s (Linnet / llama-server), TTFT p99 and ITL p99 of
+both, and whether Linnet is at least as good on all three; on the shared-prefix workloads also
+Linnet's own TTFT without prefix caching. JSON documents go to --out.
+
+    python bench/serving_vs_llama_server.py /tmp/qwen3-191m --out bench/results/serving_suite
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BACKEND = {"f32": "onnxruntime", "bf16": "torch", "q8_0": "torch", "q4_0": "torch"}
+WORKLOADS = {
+    "c8": ["--requests", "64", "--prompt-range", "32-128", "--new-tokens", "32", "--concurrency", "8"],
+    "c32": ["--requests", "128", "--prompt-range", "32-128", "--new-tokens", "32", "--concurrency", "32"],
+    "shared_prefix": ["--requests", "32", "--shared-prefix", "1000", "--prompt-range", "16-48", "--new-tokens", "32",
+                      "--concurrency", "8"],
+    "chats": ["--requests", "32", "--turns", "4", "--prompt-range", "32-96", "--new-tokens", "32", "--concurrency", "8"],
+}
+PREFIX_WORKLOADS = ("shared_prefix", "chats")
+
+
+def run(model: str, dtype: str, workload: str, rows: int, out: Path) -> dict:
+    targets = "http,http-no-prefix-cache,llama-server" if workload in PREFIX_WORKLOADS else "http,llama-server"
+    path = out / f"serving_llama_191m_{dtype}_{workload}.json"
+    cmd = ["linnet", "bench", model, "--serving", "--backend", BACKEND[dtype], "--dtype", dtype, "--rows", str(rows),
+           *WORKLOADS[workload], "--target", targets, "--save", str(path), "--quiet"]
+    print("$", " ".join(cmd), file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True)
+    return {t["target"]: t for t in json.loads(path.read_text())["targets"]}
+
+
+def line(dtype: str, workload: str, rows: dict) -> str:
+    own, ls = rows["http"], rows["llama-server"]
+    ratio = own["output_tok_s"] / ls["output_tok_s"]
+    met = ratio >= 1.0 and own["ttft_ms_p99"] <= ls["ttft_ms_p99"] and own["itl_ms_p99"] <= ls["itl_ms_p99"]
+    cells = [dtype, workload, f"{own['output_tok_s']:.1f} / {ls['output_tok_s']:.1f} ({ratio:.2f}×)",
+             f"{own['ttft_ms_p99']:,.0f} / {ls['ttft_ms_p99']:,.0f} ms", f"{own['itl_ms_p99']:.1f} / {ls['itl_ms_p99']:.1f} ms"]
+    off = rows.get("http-no-prefix-cache")
+    cells.append(f"{off['ttft_ms_p99'] / own['ttft_ms_p99']:.1f}×" if off else "–")
+    cells.append("met" if met else "short")
+    return "| " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--dtypes", default="f32,bf16,q8_0,q4_0")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    lines = ["| dtype | workload | output tok/s (Linnet / llama-server) | TTFT p99 | ITL p99 | "
+             "own TTFT p99 gain from prefix caching | all three |", "|---|---|---:|---:|---:|---:|---|"]
+    for dtype in a.dtypes.split(","):
+        for workload in a.workloads.split(","):
+            lines.append(line(dtype, workload, run(a.model, dtype, workload, a.rows, a.out)))
+            print(lines[-1], file=sys.stderr, flush=True)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
