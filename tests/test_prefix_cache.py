@@ -112,6 +112,9 @@ def test_the_step_budget_bounds_a_mixed_step_and_lifts_when_nobody_decodes():
     # Every decoding row ends within four steps: prompt work waits for them; else it goes on
     assert b.prompt_tokens(decoding=4, prefilling=1, draining_in=4) == 0
     assert b.prompt_tokens(decoding=4, prefilling=1, draining_in=5) == pytest.approx(30, abs=1)
+    # ... or before 200 waiting prompt tokens would be through at 30 a step (7 steps)
+    assert b.prompt_tokens(decoding=4, prefilling=1, draining_in=7, pending=200) == 0
+    assert b.prompt_tokens(decoding=4, prefilling=1, draining_in=8, pending=200) == pytest.approx(30, abs=1)
     # Nobody decoding: every waiting prompt advances a chunk, four at most
     assert b.prompt_tokens(decoding=0, prefilling=3) == 3 * 256 and b.prompt_tokens(0, 8) == 4 * 256
     with pytest.raises(ValueError):
@@ -249,6 +252,8 @@ def _recording(batched, monkeypatch) -> list:
 def test_prompt_work_waits_for_decoding_rows_about_to_end(model, monkeypatch):
     batched, alone = model
     engine = Engine(batched, None, prefill_chunk=64)
+    engine.budget.observe(0, 2, 0.030)  # a fitted budget, as after a few steps: 1 ms a prompt token
+    engine.budget.observe(20, 2, 0.050)
     first = [engine.submit(GenerationRequest([5 + i] * 10, 4, ignore_eos=True)) for i in range(2)]
     engine.step()  # both prompts in one step: nobody decodes yet
     engine.step()  # token 2 of 4 each: two steps left

@@ -1,20 +1,21 @@
 """Continuous batching over a session's fixed KV-cache rows.
 
-Requests wait in a queue and are admitted into free rows. Each step is one `Session.step`: a
-token for every decoding row, plus prompt chunks of the oldest prefilling rows, as many prompt
-tokens as the step budget allows (`step_budget`: up to `prefill_chunk`, fewer while rows decode, so
-a long prompt does not stall them) and the decode rows ride along with the prompt work (one pass
-over the weights where the backend takes ragged steps). A request is placed in the row that
-already holds the longest prefix of its prompt (`prefix_cache`) and computes only the rest. A
-request that finishes, stops or is cancelled frees its row at once. Each row's computation is its
-own (the backends' batched steps are tested row-by-row against the row alone), so a greedy answer
-does not depend on the load.
+Requests wait in a queue and are admitted into free rows. Each step is one `Session.step`: a token
+for every decoding row, plus prompt chunks of the oldest prefilling rows, as many prompt tokens as
+the step budget allows (`step_budget`: up to `prefill_chunk`, fewer while rows decode, so a long
+prompt does not stall them) and the decode rows ride along with the prompt work (one pass over the
+weights where the backend takes ragged steps). With no row decoding, the engine waits a moment while
+requests keep arriving, so a burst is admitted together and its rows decode in step. A request is
+placed in the row that already holds the longest prefix of its prompt (`prefix_cache`) and computes
+only the rest. A request that finishes, stops or is cancelled frees its row at once. Each row's
+computation is its own (the backends' batched steps are tested row-by-row against the row alone), so
+a greedy answer does not depend on the load.
 
-A fault is contained: a request whose output handling fails ends alone with finish reason "error";
-a step that fails is rerun one row at a time (the samplers' generators rewound first, so no other
+A fault is contained: a request whose output handling fails ends alone with finish reason "error"; a
+step that fails is rerun one row at a time (the samplers' generators rewound first, so no other
 row's seeded stream moves); anything else ends every request in flight and marks the engine
-unhealthy, which `/health` and Triton's readiness report, instead of a dead thread that leaves
-every request hanging.
+unhealthy, which `/health` and Triton's readiness report, instead of a dead thread that leaves every
+request hanging.
 """
 
 from __future__ import annotations
@@ -296,9 +297,10 @@ class Engine:
             return False
         decoding = [a for a in self._active.values() if a.last is not None]
         work = [(a, Chunk([a.last], a.position, a.row, a.sampler)) for a in decoding]
-        draining_in = max((self._steps_left(a) for a in decoding), default=None)
-        work += self._prompt_chunks(self.budget.prompt_tokens(len(decoding), len(self._active) - len(decoding),
-                                                              draining_in))
+        prefilling = [a for a in self._active.values() if a.last is None]
+        work += self._prompt_chunks(self.budget.prompt_tokens(
+            len(decoding), len(prefilling), max((self._steps_left(a) for a in decoding), default=None),
+            sum(len(a.handle.request.prompt) - a.prefilled for a in prefilling)))
         self._run(work)
         return True
 

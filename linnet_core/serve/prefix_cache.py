@@ -8,10 +8,10 @@ taken, so a later request with the same system prompt, few-shot examples or earl
 it there. When a busy row shares a longer prefix than any free row, its positions are copied into
 the free row the request gets (`Session.copy_prefix`), and a request still filling its prompt copies
 positions another row has filled meanwhile (requests that arrive together with one system prompt
-compute it once: the oldest fills it, the others skip the steps that compute it and copy it). Free rows are taken
-in least-recently-used order when no content matches: that is the eviction. A position's keys and
-values depend only on the tokens up to it, so reused positions are those the request would have
-computed.
+compute it once: the oldest fills it, the others skip the steps that compute it and copy it). Free
+rows are taken in least-recently-used order when no content matches: that is the eviction. A
+position's keys and values depend only on the tokens up to it, so reused positions are those the
+request would have computed.
 """
 
 from __future__ import annotations

@@ -10,10 +10,11 @@ prompt work never stops).
 
 Two cases move the bound. Rows waiting for their prompts are idle capacity too, so when they
 outnumber the decoding rows the bound grows by that ratio, and at `FEW_DECODING` times as many it
-goes (a burst of arrivals is computed at once, not trickled beside one decoding row). And when every decoding row ends within
-`DRAIN_STEPS` steps (its max_tokens or the cache's end), prompt work waits for them: a step later it
-stalls nobody. With no row decoding nobody waits: every prompt advances up to `max_chunk`, at most
-at most `BURST_CHUNKS` chunks' worth in all (a step's activations grow with its tokens).
+goes (a burst of arrivals is computed at once, not trickled beside one decoding row). And when every
+decoding row ends within `DRAIN_STEPS` steps (its max_tokens or the cache's end), or before the
+waiting prompts would be through at the bound anyway, prompt work waits for them: it then stalls
+nobody. With no row decoding nobody waits: every prompt advances up to `max_chunk`, at most
+`BURST_CHUNKS` chunks' worth in all (a step's activations grow with its tokens).
 """
 
 from __future__ import annotations
@@ -48,20 +49,20 @@ class StepBudget:
             return None
         return max(0.0, (sy - per_token * sx) / n), per_token
 
-    def prompt_tokens(self, decoding: int, prefilling: int = 1, draining_in: int | None = None) -> int:
+    def prompt_tokens(self, decoding: int, prefilling: int = 1, draining_in: int | None = None,
+                      pending: int = 0) -> int:
         """Prompt tokens the next step may take when `decoding` rows decode in it and `prefilling` rows
-        wait for their prompts; `draining_in`: the steps until the last decoding row ends, if known."""
+        wait for their prompts (`pending` tokens in all); `draining_in`: the steps until the last
+        decoding row ends, if known."""
         if not decoding:
             return self.max_chunk * min(max(1, prefilling), BURST_CHUNKS)
-        if self.stall is None:
-            return self.max_chunk
-        if draining_in is not None and draining_in <= DRAIN_STEPS:
-            return 0
-        fit = self.cost()
+        fit = self.cost() if self.stall is not None else None
         if fit is None:
-            return self.max_chunk  # too little measured yet: the first steps find out
+            return self.max_chunk  # no bound, or too little measured yet: the first steps find out
+        base, per_token = fit
+        room = max(1, int((self.stall - 1.0) * (base + per_token * decoding) / per_token))
+        if draining_in is not None and draining_in <= max(DRAIN_STEPS, -(-pending // room)):
+            return 0  # the decoding rows end before the prompts would be through at this bound: they wait
         if prefilling >= FEW_DECODING * decoding:  # the few decoding rows wait one long step; the rest start
             return self.prompt_tokens(0, prefilling)
-        base, per_token = fit
-        room = (self.stall - 1.0) * (base + per_token * decoding) / per_token * max(1.0, prefilling / decoding)
-        return max(1, min(self.max_chunk * max(1, prefilling), int(room)))
+        return max(1, min(self.max_chunk * max(1, prefilling), int(room * max(1.0, prefilling / decoding))))
