@@ -284,6 +284,12 @@ def test_requests_arriving_in_a_burst_are_admitted_together(model, monkeypatch):
     assert sorted(n for n, start, _ in seen[0]) == [6, 7, 8]  # the three prompts in the first step
     assert all(len(step) == 3 and all(n == 1 for n, _, _ in step) for step in seen[1:])  # then in step
     assert results == [run_alone(alone, r.prompt, 3) for r in reqs]
+    off = Engine(batched, None, burst_wait=(0.0, 0.0))  # --burst-wait 0: a request goes at once
+    off.submit(reqs[0])
+    started = time.monotonic()
+    off._await_burst()
+    assert time.monotonic() - started < 0.05
+    drain(off)
 
 
 def test_requests_arriving_together_compute_their_shared_prefix_once(model):

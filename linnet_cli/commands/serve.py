@@ -37,6 +37,10 @@ def serve_command(
         "--decode-stall", min=0.0, help="A step carrying prompt tokens beside decoding rows takes at most this "
         "many times a decode-only step (measured as it runs), so prompts do not stall the tokens being "
         "streamed; 0: no bound but --prefill-chunk.")] = 2.0,
+    burst_wait: Annotated[float, typer.Option(
+        "--burst-wait", min=0.0, help="With no row decoding, wait while requests keep arriving until this many "
+        "milliseconds pass without one (2.5 times that at most), so a burst is admitted and decoded together "
+        "(a steady inter-token latency; a lone request pays it in TTFT); 0: admit each at once.")] = 20.0,
     prefix_caching: Annotated[bool, typer.Option(
         "--prefix-caching/--no-prefix-caching", help="Reuse the cached positions of the longest prefix a "
         "prompt shares with a cache row (a system prompt, a chat's earlier turns).")] = True,
@@ -74,7 +78,8 @@ def serve_command(
     limits = Limits(max_tokens=min(max_tokens or session.cache_len, session.cache_len),
                     max_prompt_chars=prompt_char_limit(session.cache_len))
     engine = Engine(session, tokenizer, prefill_chunk=prefill_chunk, max_waiting=max_waiting,
-                    prefix_caching=prefix_caching, decode_stall=decode_stall or None)
+                    prefix_caching=prefix_caching, decode_stall=decode_stall or None,
+                    burst_wait=(burst_wait / 1000, 2.5 * burst_wait / 1000))
     app = create_app(Server(engine, tokenizer, served, limits), api_key, drain_timeout)
     sink.info(f"serving '{served}' on http://{host}:{port}/v1 ({compiled.backend}, {compiled.dtype}, {rows} rows of "
               f"{session.cache_len} positions){'; API key required' if api_key else ''}")

@@ -182,8 +182,8 @@ class Handle:
 
 
 # With no row decoding: (seconds without a new arrival that end the wait for a burst of requests, the
-# longest the first one waits for the rest). A client's next requests after a batch ended came within
-# 5-16 ms of each other over HTTP on 2 cores.
+# longest the first one waits for the rest); 0 = no wait. A client's next requests after a batch ended
+# came within 5-16 ms of each other over HTTP on 2 cores.
 BURST_WAIT = (0.02, 0.05)
 
 
@@ -458,7 +458,7 @@ class Engine:
         """With no row decoding, wait while requests keep arriving (a client's next requests after a
         batch ended come within milliseconds): admitted together, their prompts share one step and
         they then decode in step, instead of each new one stalling those already decoding."""
-        if any(a.last is not None for a in self._active.values()):
+        if self.burst_wait[0] <= 0 or any(a.last is not None for a in self._active.values()):
             return
         deadline = time.monotonic() + self.burst_wait[1]
         with self._wake:
