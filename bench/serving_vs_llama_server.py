@@ -5,7 +5,7 @@ started afresh, and prints per row: output tok/s (Linnet / llama-server), TTFT p
 both, and whether Linnet is at least as good on all three; on the shared-prefix workloads also
 Linnet's own TTFT without prefix caching. JSON documents go to --out.
 
-    python bench/serving_vs_llama_server.py /tmp/qwen3-191m --out bench/results/serving_suite
+    python bench/serving_vs_llama_server.py /tmp/qwen3-191m --out bench/results/serving_llama_xeon
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ WORKLOADS = {
     "c32": ["--requests", "128", "--prompt-range", "32-128", "--new-tokens", "32", "--concurrency", "32"],
     "shared_prefix": ["--requests", "32", "--shared-prefix", "1000", "--prompt-range", "16-48", "--new-tokens", "32",
                       "--concurrency", "8"],
-    "chats": ["--requests", "32", "--turns", "4", "--prompt-range", "32-96", "--new-tokens", "32", "--concurrency", "8"],
+    "chats": ["--requests", "32", "--turns", "4", "--prompt-range", "32-96", "--new-tokens", "32",
+              "--concurrency", "8"],
 }
 PREFIX_WORKLOADS = ("shared_prefix", "chats")
 
@@ -42,7 +43,8 @@ def line(dtype: str, workload: str, rows: dict) -> str:
     ratio = own["output_tok_s"] / ls["output_tok_s"]
     met = ratio >= 1.0 and own["ttft_ms_p99"] <= ls["ttft_ms_p99"] and own["itl_ms_p99"] <= ls["itl_ms_p99"]
     cells = [dtype, workload, f"{own['output_tok_s']:.1f} / {ls['output_tok_s']:.1f} ({ratio:.2f}×)",
-             f"{own['ttft_ms_p99']:,.0f} / {ls['ttft_ms_p99']:,.0f} ms", f"{own['itl_ms_p99']:.1f} / {ls['itl_ms_p99']:.1f} ms"]
+             f"{own['ttft_ms_p99']:,.0f} / {ls['ttft_ms_p99']:,.0f} ms",
+             f"{own['itl_ms_p99']:.1f} / {ls['itl_ms_p99']:.1f} ms"]
     off = rows.get("http-no-prefix-cache")
     cells.append(f"{off['ttft_ms_p99'] / own['ttft_ms_p99']:.1f}×" if off else "–")
     cells.append("met" if met else "short")

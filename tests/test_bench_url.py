@@ -135,7 +135,8 @@ def test_llama_server_serves_the_same_requests_beside_linnet(tokenized_checkpoin
 
 
 FAKE_LLAMA_SERVER = """#!{python}
-# Crashes as llama.cpp's AMX matmul does at start-up unless told --no-repack (or always, if {always}); else answers /health.
+# Crashes as llama.cpp's AMX matmul does at start-up unless told --no-repack (or always, if {always});
+# else answers /health.
 import http.server, os, signal, sys
 args = sys.argv[1:]
 if {always} or "--no-repack" not in args:
