@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import BackendUnavailable, CheckpointError
+from .llama_open import open_llama
 from .reference import ReferenceRun
 
 INSTALL = "pip install 'linnet[llamacpp]'"
@@ -60,7 +61,7 @@ def load_failure_cause(log: list[str]) -> str | None:
 def llamacpp(file: Path, positions: int) -> Iterator:
     """A llama_cpp.Llama over `file` with room for `positions` tokens, closed after the block."""
     try:
-        from llama_cpp import Llama
+        import llama_cpp  # noqa: F401
     except ImportError:
         raise BackendUnavailable("llama.cpp is the reference for a GGUF, and llama-cpp-python is not installed",
                                  hint=INSTALL) from None
@@ -73,8 +74,8 @@ def llamacpp(file: Path, positions: int) -> Iterator:
         # verbose=True: quiet, llama-cpp-python sends the loader's log to /dev/null, reason and all;
         # here every line lands in `log` instead.
         with native_stderr_kept(log):
-            llm = Llama(model_path=str(file), n_ctx=positions, n_batch=positions, logits_all=True, verbose=True,
-                        n_threads=torch.get_num_threads() or os.cpu_count(), type_k=0, type_v=0, flash_attn=False)
+            llm = open_llama(model_path=str(file), n_ctx=positions, n_batch=positions, logits_all=True, verbose=True,
+                             n_threads=torch.get_num_threads() or os.cpu_count(), type_k=0, type_v=0, flash_attn=False)
     except ValueError as e:  # llama-cpp-python's "Failed to load model from file", without the reason
         raise LlamaCppRefused(f"llama.cpp refuses the GGUF: {load_failure_cause(log) or e}") from None
     finally:

@@ -180,14 +180,14 @@ class TransformersRunner:
 
 class LlamaCppRunner:
     def __init__(self, cfg: dict):
-        from llama_cpp import Llama
+        from ..llama_open import open_llama
 
         # The thread count comes from the parent: importing PyTorch here only for it would add its
         # ~0.2 GiB to llama.cpp's peak memory.
         self.path, self.positions = cfg["gguf"], cfg["positions"]
         gpu_layers = -1 if cfg["device"] == "cuda" else 0
-        self.llm = Llama(model_path=self.path, n_ctx=self.positions, n_batch=512, n_gpu_layers=gpu_layers,
-                         n_threads=cfg["threads"], verbose=False)
+        self.llm = open_llama(model_path=self.path, n_ctx=self.positions, n_batch=512, n_gpu_layers=gpu_layers,
+                              n_threads=cfg["threads"], verbose=False)
         self.run([[1, 2, 3, 4]], 2)
         self.cached = None
 
@@ -205,11 +205,11 @@ class LlamaCppRunner:
         return ttft, (new - 1) / (time.perf_counter() - t1)
 
     def logits(self, prompt: list[int]) -> np.ndarray:
-        from llama_cpp import Llama
+        from ..llama_open import open_llama
 
         # The timed model keeps no logits (llama-cpp-python stores them only with logits_all).
-        llm = Llama(model_path=self.path, n_ctx=self.positions, n_batch=512, logits_all=True, verbose=False,
-                    n_gpu_layers=self.llm.model_params.n_gpu_layers)
+        llm = open_llama(model_path=self.path, n_ctx=self.positions, n_batch=512, logits_all=True, verbose=False,
+                         n_gpu_layers=self.llm.model_params.n_gpu_layers)
         try:
             llm.eval(prompt)
             return np.array(llm.scores[len(prompt) - 1], dtype=np.float32)
