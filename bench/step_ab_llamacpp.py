@@ -27,7 +27,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    from llama_cpp import Llama
+    from linnet_core.llama_open import open_llama
 
     from linnet_core.backends.artifact import WEIGHTS_FILE
     from linnet_core.compile import compile_model, load_model
@@ -40,7 +40,8 @@ def main() -> None:
     for path in (compiled.artifact / WEIGHTS_FILE, Path(args.gguf)):
         drop_cached(path)
     session, compiled = load_model(args.model, args.backend, args.dtype, cache_len=positions)
-    llm = Llama(model_path=args.gguf, n_ctx=positions, n_batch=512, n_threads=torch.get_num_threads(), verbose=False)
+    llm = open_llama(model_path=args.gguf, n_ctx=positions, n_batch=512, n_threads=torch.get_num_threads(),
+                     verbose=False)
     prompt = [5 + i % 1000 for i in range(args.prompt_tokens)]
     token = session.prefill(prompt).tokens[0]
     llm.eval(prompt)
