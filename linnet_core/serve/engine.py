@@ -350,10 +350,11 @@ class Engine:
                 break
             self._catch_up(a)
             prompt = a.handle.request.prompt
-            if self.prefix is not None and self.prefix.computed_beside(prompt, a.prefilled, planned):
-                continue  # an older request computes these positions in this step: copied after it
             end = min(len(prompt), a.prefilled + budget, a.prefilled + self.prefill_chunk)
-            planned.append((np.asarray(prompt[:end], dtype=np.int64), end))
+            if self.prefix is not None:
+                if self.prefix.computed_beside(prompt, a.prefilled, planned):
+                    continue  # an older request computes these positions in this step: copied after it
+                planned.append((np.asarray(prompt[:end], dtype=np.int64), end))
             budget -= end - a.prefilled
             # Only the last chunk's token is used: sampling an earlier one would advance the
             # request's seeded generator and change what it samples later.
