@@ -18,7 +18,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from linnet_core.backends import decode_kernels
+from linnet_core.backends.cpu import extension
 from timing import median_seconds  # bench/timing.py, beside this script
 
 LAYERS = {  # qkv, o, gate+up, down: [N, K]
@@ -48,9 +48,9 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    ext = decode_kernels.extension()
+    ext = extension.extension()
     if ext is None:
-        raise SystemExit(f"Linnet's CPU kernels do not run here: {decode_kernels.why_not()}")
+        raise SystemExit(f"Linnet's CPU kernels do not run here: {extension.why_not()}")
     g = torch.Generator().manual_seed(0)
     rows: dict[str, float] = {}
     shapes, layer = SHAPES[args.shapes], LAYERS[args.shapes]
@@ -60,7 +60,7 @@ def main() -> None:
         if not rows:  # the same bytes read as float32
             rows["plain read (torch.sum)"] = nbytes / median_seconds(flat.view(torch.float32).sum, args.runs) / 1e9
         kernels = [(f"Linnet's {name} GEMV", gemv), (f"F.linear {name}", F.linear)]
-        if dtype == torch.float16:  # the layout sessions hold float16 linears in (cpu_kernels.PackedHalfLinear)
+        if dtype == torch.float16:  # the layout sessions hold float16 linears in (cpu/linears.py's PackedHalfLinear)
             packed = {id(w): ext.repack_f16_rows8(w) for w in ws}
             kernels.insert(0, (f"Linnet's packed {name} GEMV", lambda x, w: ext.packed_half_linear(x, packed[id(w)], w.shape[0])))
         for m in (1, 2):

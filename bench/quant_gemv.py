@@ -17,7 +17,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from linnet_core.backends import decode_kernels
+from linnet_core.backends.cpu import extension
 from linnet_core.quant import dequantize, quantize
 from timing import median_seconds  # bench/timing.py, beside this script
 
@@ -31,22 +31,22 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if decode_kernels.extension() is None:
-        raise SystemExit(f"Linnet's CPU kernels do not run here: {decode_kernels.why_not()}")
+    if extension.extension() is None:
+        raise SystemExit(f"Linnet's CPU kernels do not run here: {extension.why_not()}")
     g = torch.Generator().manual_seed(0)
     stream = torch.ones(64 << 20)  # 256 MB of float32
     rows = {"plain read (torch.sum, float32)": stream.numel() * 4 / median_seconds(stream.sum, args.runs) / 1e9}
     for fmt in ("q8_0", "q4_0"):
         blocks = [quantize(torch.randn(N, K, generator=g), fmt) for _ in range(MATRICES)]
-        packed = [decode_kernels.repack(b, fmt) for b in blocks]
+        packed = [extension.repack(b, fmt) for b in blocks]
         nbytes = sum(b.numel() for b in blocks)
         for m in (1, 2, 4):
             x = torch.randn(m, K, generator=g)
-            t = median_seconds(lambda: [decode_kernels.quant_linear(x, p, fmt, N) for p in packed], args.runs)
+            t = median_seconds(lambda: [extension.quant_linear(x, p, fmt, N) for p in packed], args.runs)
             rows[f"{fmt} kernel, {m} token row(s)"] = nbytes / t / 1e9
         x = torch.randn(128, K, generator=g)
         rows[f"{fmt} kernel, 128-token prompt (ms)"] = 1e3 * median_seconds(
-            lambda: decode_kernels.quant_linear(x, packed[0], fmt, N), max(5, args.runs // 6))
+            lambda: extension.quant_linear(x, packed[0], fmt, N), max(5, args.runs // 6))
         dense = dequantize(blocks[0], fmt)
         rows[f"{fmt} as float32 F.linear, 128-token prompt (ms)"] = 1e3 * median_seconds(
             lambda: F.linear(x, dense), max(5, args.runs // 6))

@@ -30,7 +30,7 @@ def main() -> None:
 
     from linnet_core.backends.artifact import WEIGHTS_FILE
     from linnet_core.compile import compile_model, load_model
-    from linnet_core.llama_open import open_llama
+    from linnet_core.gguf.llama_open import open_llama
     from linnet_core.weights import drop_cached
 
     positions = args.prompt_tokens + args.steps + 1

@@ -10,6 +10,7 @@ import typer
 from linnet_core import __version__
 
 from .commands.bench import bench_command
+from .commands.bench_serving import bench_serving_command
 from .commands.cache import cache_app
 from .commands.compile import compile_command
 from .commands.doctor import doctor_command
@@ -48,6 +49,7 @@ app.command("run")(run_command)
 app.command("verify")(verify_command)
 app.add_typer(export_app, name="export")
 app.command("bench")(bench_command)
+app.command("bench-serving")(bench_serving_command)
 app.command("serve")(serve_command)
 app.command("doctor")(doctor_command)
 app.command("models")(models_command)

@@ -50,3 +50,20 @@ CacheLenOpt = Annotated[
 RevisionOpt = Annotated[Optional[str], typer.Option("--revision", help="Hugging Face revision (branch, tag, commit).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors (and the data).")]
+
+# The engine's settings, shared by `serve`, `export triton` and the serving bench (ServeConfig's defaults).
+RowsOpt = Annotated[int, typer.Option("--rows", min=1, help="KV-cache rows: requests decoded together.")]
+PrefillChunkOpt = Annotated[int, typer.Option(
+    "--prefill-chunk", min=1, help="Prompt tokens per step, at most (taken with the decode tokens).")]
+MaxWaitingOpt = Annotated[int, typer.Option("--max-waiting", min=1, help="Queued requests before 429.")]
+DecodeStallOpt = Annotated[float, typer.Option(
+    "--decode-stall", min=0.0, help="A step carrying prompt tokens beside decoding rows takes at most this "
+    "many times a decode-only step (measured as it runs), so prompts do not stall the tokens being "
+    "streamed; 0: no bound but --prefill-chunk.")]
+BurstWaitOpt = Annotated[float, typer.Option(
+    "--burst-wait", min=0.0, help="With no row decoding, wait while requests keep arriving until this many "
+    "milliseconds pass without one (2.5 times that at most), so a burst is admitted and decoded together "
+    "(a steady inter-token latency; a lone request pays it in TTFT); 0: admit each at once.")]
+PrefixCachingOpt = Annotated[bool, typer.Option(
+    "--prefix-caching/--no-prefix-caching", help="Reuse the cached positions of the longest prefix a "
+    "prompt shares with a cache row (a system prompt, a chat's earlier turns).")]

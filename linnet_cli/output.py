@@ -12,13 +12,14 @@ import json
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Any, Callable
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from linnet_core.errors import LinnetError
+from linnet_core.errors import InputError, LinnetError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_CHECK_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -106,3 +107,16 @@ def _out_of_space(e: BaseException) -> bool:
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     sys.stderr.write(f"{getattr(category, 'prefix', 'warning')}: {message}\n")  # a notice says "note"
+
+
+def check_output_files(*paths: Path | None) -> None:
+    """Files a command writes at its end, checked before minutes of work rather than after."""
+    for path in paths:
+        if path is None:
+            continue
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InputError(f"cannot write {path}: {e.strerror}") from None
+        if path.is_dir():
+            raise InputError(f"{path} is a folder; give the name of the file to write")

@@ -1,7 +1,7 @@
 """Linnet core: one IR for decoder-only LLM checkpoints, and the backends that compile it.
 
     from linnet_core import load_model
-    from linnet_core.verify import verify
+    from linnet_core.check.verify import verify
     session, compiled = load_model("qwen3-4b", backend="torch", dtype="bfloat16", rows=4)
     report = verify("./my-checkpoint", backend="torch", dtype="float16")
 

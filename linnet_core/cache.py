@@ -2,7 +2,7 @@
 
 Key: model identity (canonical config + a fingerprint of every weight file), backend, dtype,
 cache length, the versions of Linnet and of the backend's toolchain, and a digest of the Linnet
-sources that write artifacts (an edited emitter never meets an entry the old code made). An
+sources that write artifacts or prepare weights (sources.py: an edited emitter never meets an entry the old code made). An
 entry is built in a temporary folder and renamed into place, so readers see complete entries or
 none; a file lock per key makes concurrent compiles of one key build once; an entry whose
 manifest or files do not check out is moved aside and rebuilt with a warning. Prepared weights are stored once per
@@ -27,7 +27,6 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,28 +36,12 @@ from . import __version__
 from .errors import CacheError
 from .file_locks import SharedLock, try_exclusive
 from .private_dirs import check_private, make_private_dir
+from .sources import artifact_sources_digest
 from .weight_store import BLOBS, Blob, Placer, WeightKey, WeightStore
 
 MANIFEST = "manifest.json"
 FULL_HASH_LIMIT = 64 * 1024 * 1024  # files up to this size are hashed whole
 SAMPLES, SAMPLE_BYTES = 16, 1024 * 1024
-
-
-# What shapes an artifact's files: the IR, the model definitions, weight preparation and the emitters.
-ARTIFACT_SOURCES = ("ir", "models", "backends", "params.py", "quant.py", "dtypes.py")
-
-
-@lru_cache(maxsize=1)
-def source_digest() -> str:
-    """sha256 over the Linnet sources that write artifacts (a version bump is easy to forget)."""
-    root = Path(__file__).parent
-    h = hashlib.sha256()
-    for entry in ARTIFACT_SOURCES:
-        path = root / entry
-        for f in sorted(path.rglob("*") if path.is_dir() else [path]):
-            if f.suffix in (".py", ".cpp", ".h") and "__pycache__" not in f.parts:
-                h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()[:16]
 
 
 def cache_root() -> Path:
@@ -118,7 +101,7 @@ class ArtifactKey:
     @property
     def digest(self) -> str:
         payload = json.dumps(
-            {"linnet": __version__, "sources": source_digest(), "identity": self.identity, "backend": self.backend,
+            {"linnet": __version__, "sources": artifact_sources_digest(), "identity": self.identity, "backend": self.backend,
              "dtype": self.dtype, "cache_len": self.cache_len, "toolchain": dict(self.toolchain)},
             sort_keys=True,
         )

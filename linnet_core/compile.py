@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Callable
 
 from .backends import get_backend
-from .dtypes import FORMATS, normalize_format
 from .cache import ArtifactCache, ArtifactKey, Lease, model_identity
+from .dtypes import FORMATS, normalize_format
 from .errors import BackendUnavailable, InputError
+from .gguf.checkpoint import KEPT, GgufCheckpoint, read_gguf_config
 from .hub import ResolvedModel, resolve
 from .memory import check_fits
 from .models import build_graph, read_config, spec_from_config
@@ -42,8 +43,6 @@ class Model:
     def checkpoint(self) -> Checkpoint:
         """Its tensors, mapped lazily, under the family's Hugging Face names (a GGUF's too)."""
         if self.is_gguf:
-            from .gguf_source import GgufCheckpoint
-
             return GgufCheckpoint(self.path, self.spec)
         return Checkpoint(self.files)
 
@@ -63,7 +62,6 @@ class Compiled:
 def open_model(model: str | Path | None, revision: str | None = None) -> Model:
     resolved = resolve(model, revision)
     if resolved.path.is_file():  # a GGUF: the config its metadata describes, the file its only one
-        from .gguf_source import read_gguf_config
 
         config, parsed = read_gguf_config(resolved.path)
         parsed.close()
@@ -122,7 +120,7 @@ def compile_model(model: str | Path | Model | None, backend: str = "torch", dtyp
         backend=be.name,
         dtype=dt,
         cache_len=n,
-        toolchain=tuple(sorted(be.toolchain().items())),
+        toolchain=tuple(sorted(be.cache_toolchain().items())),
     )
 
     cache = cache or ArtifactCache()
@@ -134,8 +132,6 @@ def compile_model(model: str | Path | Model | None, backend: str = "torch", dtyp
             progress(f"compiling {key.model} for {be.name} ({dt}, cache {n}); later runs load it from the cache")
             stored = m.config.get("gguf_weights")
             if stored:
-                from .gguf_source import KEPT
-
                 if KEPT.get(stored) != dt:
                     own = f" (its own format: --dtype {KEPT[stored]})" if stored in KEPT else ""
                     progress(f"the GGUF's {stored} weights are converted to {dt}{own}")

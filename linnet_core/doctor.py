@@ -48,9 +48,9 @@ def platform_checks() -> list[Check]:
         why = "this PyTorch is a CPU build" if torch.version.cuda is None else "no NVIDIA GPU is visible"
         checks.append(Check("GPU", False, why, "install a CUDA build of PyTorch on a machine with an NVIDIA GPU"
                             if torch.version.cuda is None else None))
-    from .backends import decode_kernels
+    from .backends.cpu.build import status as kernel_status  # imports torch: doctor's other checks run without it
 
-    ready, detail = decode_kernels.status()
+    ready, detail = kernel_status()
     checks.append(Check("CPU decode kernels", ready, detail))
     return checks
 
@@ -105,7 +105,7 @@ def backend_checks(dtype: str = "float32") -> list[Check]:
 
 
 def cache_check() -> Check:
-    from .cache import ArtifactCache
+    from .cache import ArtifactCache  # imports torch: not at start-up
 
     cache = ArtifactCache()
     try:

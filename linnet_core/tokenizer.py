@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError, InputError
+from .gguf.reader import GGUFFile
+from .gguf.tokenizer import tokenizer_from_gguf
 
 
 def _token_text(value: Any) -> str | None:
@@ -82,9 +84,6 @@ class Tokenizer:
             self.eos_ids.add(self.token_id(self.eos_token))
 
     def _from_gguf(self, path: Path) -> None:
-        from .export.gguf_read import GGUFFile
-        from .gguf_tokenizer import tokenizer_from_gguf
-
         with GGUFFile(path) as g:
             built = tokenizer_from_gguf(g.metadata)
             eos_ids = [g.metadata.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id")]

@@ -1,8 +1,8 @@
 """Prepared weights stored once in the artifact cache, shared by every entry that uses the same bytes.
 
-A blob is keyed by the model's identity, the storage dtype and the layout (which tensors, in which
-shapes and order: one for the backends that load Linnet's safetensors, one for the ONNX ones), so
-every cache length, and every backend of the same layout, hard-links one blob into its entry: a
+A blob is keyed by the model's identity, the storage dtype, the layout (which tensors, in which
+shapes and order: one for the backends that load Linnet's safetensors, one for the ONNX ones) and a
+digest of the sources that prepare weights (sources.WEIGHT_SOURCES), so every cache length, and every backend of the same layout, hard-links one blob into its entry: a
 second cache length costs kilobytes. A blob is written to a temporary file and renamed into place
 under its own lock, beside a sidecar with its size; one whose size disagrees (truncated, or half
 written by a killed process) is written again. An entry's manifest still checks the size of its
@@ -26,6 +26,7 @@ from filelock import FileLock
 
 from . import __version__
 from .file_locks import try_exclusive
+from .sources import weight_sources_digest
 from .weights import drop_cached
 
 # Layouts sessions map through weights.Checkpoint (in_huge_pages); ONNX Runtime reads its own.
@@ -59,8 +60,8 @@ class WeightKey:
 
     @property
     def digest(self) -> str:
-        payload = {"linnet": __version__, "identity": self.identity, "dtype": self.dtype, "layout": self.layout,
-                   "fingerprint": self.fingerprint}
+        payload = {"linnet": __version__, "sources": weight_sources_digest(), "identity": self.identity,
+                   "dtype": self.dtype, "layout": self.layout, "fingerprint": self.fingerprint}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

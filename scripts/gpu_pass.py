@@ -457,8 +457,8 @@ def verify_worker(backend: str, device: str, dtypes: list[str], fixtures_dir: Pa
     """`linnet verify`'s check for one backend over every case and dtype; one JSON line each."""
     from linnet_core.backends import get_backend
     from linnet_core.errors import BackendUnavailable, LinnetError
-    from linnet_core.reference import load_reference
-    from linnet_core.verify import verify
+    from linnet_core.check.reference import load_reference
+    from linnet_core.check.verify import verify
 
     with open(out, "a") as f:
         def emit(case: str, dtype: str, **fields) -> None:  # a verify report's own fields come first

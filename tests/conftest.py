@@ -39,7 +39,7 @@ def tokenized_checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def reference(checkpoints):
     """reference(case): the transformers model of a fixture, loaded once per test run."""
-    from linnet_core.reference import load_reference
+    from linnet_core.check.reference import load_reference
 
     loaded = {}
 
@@ -68,11 +68,11 @@ def _decode_kernels_built():
     output carries the one-time build notice."""
     import warnings
 
-    from linnet_core.backends import decode_kernels
+    from linnet_core.backends.cpu import build, extension
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", decode_kernels.KernelBuildNotice)
-        decode_kernels.extension()
+        warnings.simplefilter("ignore", build.KernelBuildNotice)
+        extension.extension()
 
 
 def pytest_collection_modifyitems(config, items):

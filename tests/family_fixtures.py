@@ -60,10 +60,10 @@ HAVE = {name: importlib.util.find_spec(name) is not None for name in ("onnxrunti
 def _needs_kernels():
     import pytest
 
-    from linnet_core.backends import decode_kernels
+    from linnet_core.backends.cpu import extension
 
-    return pytest.mark.skipif(decode_kernels.extension() is None,
-                              reason=f"Linnet's CPU kernels do not run here: {decode_kernels.why_not()}")
+    return pytest.mark.skipif(extension.extension() is None,
+                              reason=f"Linnet's CPU kernels do not run here: {extension.why_not()}")
 
 
 needs_kernels = _needs_kernels()  # q8_0 / q4_0 on a CPU: AVX-512 with VNNI and BF16

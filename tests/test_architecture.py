@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from import_graph import ImportGraph
 
 from linnet_core.backends import REGISTRY, get_backend
 from linnet_core.backends.artifact import import_generated
@@ -76,6 +77,40 @@ def test_backends_follow_one_skeleton_and_the_doc_lists_it():
         assert f"`{hook}" in doc, f"docs/adding-a-backend.md does not mention {hook}"
     for path in re.findall(r"`((?:linnet_core|tests|docs)/[\w/.-]+\.(?:py|md))`", doc):
         assert (ROOT / path).exists(), f"docs/adding-a-backend.md names {path}, which does not exist"
+
+
+def _cycle_lines(graph: ImportGraph, group: list[str]) -> str:
+    return "; ".join(f"{i.importer}:{i.line} -> {i.target}" for i in graph.imports
+                     if i.importer in group and i.target in group)
+
+
+def test_linnets_modules_import_one_another_without_a_cycle():
+    """Top-level and function-local imports alike: a cycle hidden in a function is still a cycle."""
+    graph = ImportGraph(ROOT, ("linnet_core", "linnet_cli"))
+    assert len(graph.files) > 100 and sum(not i.top_level for i in graph.imports) > 0  # the walk saw both kinds
+    cycles = graph.cycles()
+    assert not cycles, "import cycles: " + " | ".join(_cycle_lines(graph, c) for c in cycles)
+
+
+def test_the_import_walk_finds_a_cycle_through_a_function(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    for path, text in {"__init__.py": "", "a.py": "from .sub import b\n", "sub/__init__.py": "",
+                       "sub/b.py": "def f():\n    from ..a import x  # a reason\n",
+                       "sub/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .. import a\n"}.items():
+        (pkg / path).write_text(text)
+    graph = ImportGraph(tmp_path, ("pkg",))
+    assert graph.cycles() == [["pkg.a", "pkg.sub.b"]]  # c's TYPE_CHECKING import is no edge
+
+
+def test_function_local_imports_of_linnets_modules_say_why():
+    """A Linnet module is imported at the top of the file, unless it loads a heavy package (torch,
+    transformers, fastapi...) that the importing module does not: then in the function, with a comment."""
+    graph = ImportGraph(ROOT, ("linnet_core", "linnet_cli"))
+    wrong = [f"{i.importer}:{i.line} ({i.target})" for i in graph.imports
+             if not i.top_level and i.target in graph.files
+             and not (graph.heavy(i.target) and not graph.heavy(i.importer) and "#" in i.text)]
+    assert not wrong, f"import these at the top of the file, or say why not in the line: {wrong}"
 
 
 def test_cited_scripts_exist():
@@ -189,8 +224,8 @@ def test_errors_say_which_kinds_are_bugs():
 
 
 def test_verify_refuses_a_broken_tokenizer_and_ids_outside_the_vocabulary(tokenized_checkpoints, tmp_path):
+    from linnet_core.check.prompts import prompt_ids
     from linnet_core.compile import open_model
-    from linnet_core.verify import prompt_ids
 
     broken = tmp_path / "broken"
     shutil.copytree(tokenized_checkpoints["llama-gqa-untied"], broken)

@@ -10,7 +10,10 @@ import pytest
 from test_cli import assert_one_line_error, invoke
 
 from linnet_core.bench import llama_server
-from linnet_core.bench.serving import Workload, notes, run_http, server_root, summarize
+from linnet_core.bench.serving.clients import run_http, server_root
+from linnet_core.bench.serving.report import notes
+from linnet_core.bench.serving.result import summarize
+from linnet_core.bench.serving.workload import Workload
 from linnet_core.errors import InputError
 
 from server_fixtures import app_in_thread
@@ -63,7 +66,7 @@ def test_the_bare_address_and_the_v1_base_both_work(fake_url, suffix):
     w = Workload(requests=4, prompt_min=3, prompt_max=5, new_tokens=5, concurrency=2)
     results, wall = run_http(fake_url + suffix, w, w.prompts(100))
     row = summarize("url", results, wall, w)
-    assert row["failed"] == 0 and row["output_tokens"] == 20
+    assert row.failed == 0 and row.output_tokens == 20
 
 
 def test_a_failed_request_says_why_in_the_json_and_the_notes(fake_url):
@@ -71,10 +74,11 @@ def test_a_failed_request_says_why_in_the_json_and_the_notes(fake_url):
     prompts = [[1, 2, 3], [BROKEN, 2, 3], [4, 5, 6]]
     results, wall = run_http(fake_url + "/v1", w, prompts)
     row = summarize("url", results, wall, w)
-    row["label"] = "fake"
-    assert row["failed"] == 1 and row["output_tokens"] == 10
-    assert row["errors"] == ['the server\'s error event: {"message": "slot unavailable", "code": 500}']
-    assert any("1 of 3 requests failed" in n and "slot unavailable" in n for n in notes({"targets": [row]}))
+    row.label = "fake"
+    assert row.failed == 1 and row.output_tokens == 10
+    assert row.errors == ['the server\'s error event: {"message": "slot unavailable", "code": 500}']
+    assert row.to_json()["errors"] == row.errors
+    assert any("1 of 3 requests failed" in n and "slot unavailable" in n for n in notes([row]))
 
 
 def test_a_server_that_is_not_openai_compatible_is_one_line(tokenized_checkpoints):

@@ -57,13 +57,41 @@ def test_key_covers_dtype_cache_len_and_backend_toolchain(model, cache, monkeypa
 def test_key_covers_the_sources_that_write_artifacts(model, cache, monkeypatch):
     """An edited emitter (a new source digest) misses the entries the old code made."""
     import linnet_core.cache as cache_module
+    from linnet_core import sources
 
-    root = Path(cache_module.__file__).parent
-    assert all((root / entry).exists() for entry in cache_module.ARTIFACT_SOURCES)  # a rename drops no source
-    assert len(cache_module.source_digest()) == 16
+    assert all((sources.ROOT / entry).exists() for entry in sources.ARTIFACT_SOURCES)  # a rename drops no source
+    assert set(sources.WEIGHT_SOURCES) <= set(sources.ARTIFACT_SOURCES)
+    assert len(sources.artifact_sources_digest()) == 16
     compile_model(model, "torch", "float32", 32, cache=cache)
-    monkeypatch.setattr(cache_module, "source_digest", lambda: "edited-emitter")
+    monkeypatch.setattr(cache_module, "artifact_sources_digest", lambda: "edited-emitter")
     assert not compile_model(model, "torch", "float32", 32, cache=cache).hit
+
+
+KEYS = ("from linnet_core.cache import ArtifactKey; from linnet_core.weight_store import WeightKey; "
+        "print(WeightKey('m', 'q8_0', 'safetensors', 'f').digest, ArtifactKey('m', 'm', 'torch', 'q8_0', 32, ()).digest)")
+
+
+@pytest.mark.parametrize("source", ["quant.py", "gguf/checkpoint.py", "params.py"])
+def test_an_edited_weight_source_gets_new_keys(source, tmp_path):
+    """A copy of Linnet whose quantizer, GGUF reader or weight layout differs by one comment keys its
+    stored weights and its artifacts afresh: no version bump needed for a stale blob never to be reused."""
+    import linnet_core
+
+    installed = Path(linnet_core.__file__).parent
+    copy = tmp_path / "linnet_core"
+    shutil.copytree(installed, copy, ignore=shutil.ignore_patterns("__pycache__", "default_model"))
+
+    def keys(package_parent: Path) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", KEYS], env={**os.environ, "PYTHONPATH": str(package_parent)},
+                             capture_output=True, text=True, check=True, cwd=tmp_path).stdout.split()
+        return out
+
+    before = keys(tmp_path)
+    assert before == keys(installed.parent)  # the copy alone changes nothing
+    with (copy / source).open("a") as f:
+        f.write("\n# an edit\n")
+    after = keys(tmp_path)
+    assert after[0] != before[0] and after[1] != before[1]
 
 
 def test_changed_weights_miss(model, cache):

@@ -14,7 +14,7 @@ import torch
 from linnet_core.backends import get_backend
 from linnet_core.compile import compile_model, load_model
 from linnet_core.errors import BackendUnavailable
-from linnet_core.verify import verify
+from linnet_core.check.verify import verify
 
 COMPILED = ["inductor"] + (["jax", "stablehlo"] if importlib.util.find_spec("jax") else [])
 CACHE_FOLDER = {"jax": "xla_cache", "inductor": "inductor_cache", "stablehlo": "stablehlo"}

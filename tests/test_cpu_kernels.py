@@ -1,4 +1,4 @@
-"""Linnet's CPU decode kernels (backends/kernels/*.cpp) against the generic ops, and where sessions use them."""
+"""Linnet's CPU decode kernels (backends/cpu/csrc/*.cpp) against the generic ops, and where sessions use them."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linnet_core.backends import decode_kernels
-from linnet_core.backends.cpu_kernels import DecodeLinear, linear_kernel, pack_linear_weights
+from linnet_core.backends.cpu import build, extension, selfcheck
+from linnet_core.backends.cpu.linears import DecodeLinear, linear_kernel, pack_linear_weights
 
 
 @pytest.fixture(scope="module")
 def ext():
-    built = decode_kernels.extension()
+    built = extension.extension()
     if built is None:
-        pytest.skip(f"the CPU decode kernels do not run here: {decode_kernels.why_not()}")
+        pytest.skip(f"the CPU decode kernels do not run here: {extension.why_not()}")
     return built
 
 
@@ -29,7 +29,7 @@ def test_gemv_matches_f_linear(ext, rows, out_features, in_features):
     g = torch.Generator().manual_seed(rows * out_features + in_features)
     w = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
     x = torch.randn(1, rows, in_features, generator=g).to(torch.bfloat16)  # [B, T, K] as a step has it
-    got = decode_kernels.decode_linear(x, w)
+    got = extension.decode_linear(x, w)
     assert got.shape == (1, rows, out_features) and got.dtype == torch.bfloat16
     want = F.linear(x.float(), w.float())  # float32 accumulation both ways: only the last rounding differs
     assert torch.allclose(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=1e-2)
@@ -43,10 +43,10 @@ def test_bias_and_what_the_kernel_leaves_to_f_linear(ext):
               torch.randn(1, 1, 64, generator=g)[..., ::2].repeat(1, 1, 2)):  # non-contiguous view made whole
         x = x.to(torch.bfloat16)
         want = F.linear(x.float(), w.float(), b.float())
-        assert torch.allclose(decode_kernels.decode_linear(x, w, b).float(), want, atol=0.1, rtol=2e-2)
+        assert torch.allclose(extension.decode_linear(x, w, b).float(), want, atol=0.1, rtol=2e-2)
     odd = torch.randn(24, 48, generator=g).to(torch.bfloat16)  # in_features not a multiple of 32
     x = torch.randn(1, 1, 48, generator=g).to(torch.bfloat16)
-    assert torch.equal(decode_kernels.decode_linear(x, odd), F.linear(x, odd))
+    assert torch.equal(extension.decode_linear(x, odd), F.linear(x, odd))
 
 
 def test_bf16_linears_take_the_kernel_and_float32_keeps_onednn(ext):
@@ -73,7 +73,7 @@ def test_decode_attention_matches_sdpa(ext, dtype, shape):
     slots = torch.randperm(4, generator=g)[:B]
     pos = torch.tensor([39, 0, 17][:B])  # the cache's last position, the first, one between
     got = ext.decode_attention(q, k, v, 1, slots, pos, window, D ** -0.5)
-    want = decode_kernels.reference_attention(q, k, v, 1, slots, pos, window, D ** -0.5)
+    want = selfcheck.reference_attention(q, k, v, 1, slots, pos, window, D ** -0.5)
     assert got.shape == q.shape and got.dtype == dtype
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]  # one rounding of the output
     assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
@@ -102,19 +102,19 @@ def test_step_kernels_compute_what_the_generated_helpers_do(ext, dtype, tokens):
     qkv = torch.randn(1, tokens, 16 * 128 + 2 * 8 * 128, generator=g).to(dtype)
     q, k, v = (t.reshape(1, tokens, -1, 128) for t in qkv.split([16 * 128, 8 * 128, 8 * 128], dim=-1))
     for x, w in ((q, torch.randn(128, generator=g)), (qkv, torch.randn(qkv.shape[-1], generator=g))):
-        want, got = decode_kernels.generic("rms_norm")(x, w.to(dtype), 1e-6), ext.rms_norm(x, w.to(dtype), 1e-6)
+        want, got = selfcheck.generic("rms_norm")(x, w.to(dtype), 1e-6), ext.rms_norm(x, w.to(dtype), 1e-6)
         assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
         ulp = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
         assert torch.allclose(got.float(), want.float(), rtol=2 * ulp, atol=1e-6)
         assert (got != want).float().mean() < (0.6 if dtype == torch.float32 else 0.01)  # ulps, rarely at 16 bits
     pos = torch.arange(tokens)[None] + 40
     for rot in (128, 64):  # whole and partial rotary
-        cos, sin = decode_kernels.generic("rope_table")(pos, torch.rand(rot // 2, generator=g), dtype)
-        assert torch.equal(ext.rope(q, cos, sin), decode_kernels.generic("apply_rope")(q, cos, sin))
+        cos, sin = selfcheck.generic("rope_table")(pos, torch.rand(rot // 2, generator=g), dtype)
+        assert torch.equal(ext.rope(q, cos, sin), selfcheck.generic("apply_rope")(q, cos, sin))
     caches = [torch.randn(2, 3, 8, 64, 128, generator=g).to(dtype) for _ in range(2)]  # [L, rows, KV, S, D]
     mine = [c.clone() for c in caches]
     rows = torch.randint(0, 3, (1, tokens), generator=g)
-    decode_kernels.generic("write_cache")(k, v, pos, rows, *caches, 1)
+    selfcheck.generic("write_cache")(k, v, pos, rows, *caches, 1)
     ext.write_cache(k, v, pos, rows, *mine, 1)
     assert torch.equal(caches[0], mine[0]) and torch.equal(caches[1], mine[1])
 
@@ -151,14 +151,14 @@ def test_step_kernels_take_the_generic_ops_where_they_do_not_apply(ext):
     cache is an error, as the indexed write's."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(2, 3, 64, generator=g).to(torch.bfloat16), torch.randn(64, generator=g)
-    assert torch.equal(ext.rms_norm(x, w, 1e-5), decode_kernels.generic("rms_norm")(x, w, 1e-5))
+    assert torch.equal(ext.rms_norm(x, w, 1e-5), selfcheck.generic("rms_norm")(x, w, 1e-5))
     x64 = torch.randn(1, 2, 4, 32, generator=g, dtype=torch.float64)
-    cos, sin = decode_kernels.generic("rope_table")(torch.tensor([[3, 4]]), torch.rand(16, generator=g), torch.float64)
-    assert torch.equal(ext.rope(x64, cos, sin), decode_kernels.generic("apply_rope")(x64, cos, sin))
+    cos, sin = selfcheck.generic("rope_table")(torch.tensor([[3, 4]]), torch.rand(16, generator=g), torch.float64)
+    assert torch.equal(ext.rope(x64, cos, sin), selfcheck.generic("apply_rope")(x64, cos, sin))
     k = torch.randn(1, 2, 4, 32, generator=g)
     caches = [torch.zeros(1, 2, 4, 32, 8).transpose(-1, -2) for _ in range(4)]  # [L, rows, KV, S, D], strided
     pos, rows = torch.tensor([[5, 6]]), torch.tensor([[1, 1]])
-    decode_kernels.generic("write_cache")(k, k, pos, rows, caches[0], caches[1], 0)
+    selfcheck.generic("write_cache")(k, k, pos, rows, caches[0], caches[1], 0)
     ext.write_cache(k, k, pos, rows, caches[2], caches[3], 0)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     caches = [c.contiguous() for c in caches]
@@ -191,9 +191,9 @@ def test_sessions_decode_with_the_step_kernels_as_without(ext, checkpoints, back
 
 
 def test_turned_off_or_unbuildable_means_onednn_not_an_error():
-    code = ("from linnet_core.backends import decode_kernels, cpu_kernels; import torch; "
-            "print(decode_kernels.extension() is None, decode_kernels.why_not(), "
-            "getattr(cpu_kernels.linear_kernel(torch.bfloat16), '__name__', 'None'))")
+    code = ("from linnet_core.backends.cpu import extension, linears; import torch; "
+            "print(extension.extension() is None, extension.why_not(), "
+            "getattr(linears.linear_kernel(torch.bfloat16), '__name__', 'None'))")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "LINNET_DECODE_KERNELS": "0"},
                          capture_output=True, text=True, check=True).stdout.split()
     assert out[0] == "True" and "LINNET_DECODE_KERNELS=0" in " ".join(out)
@@ -203,7 +203,7 @@ def test_turned_off_or_unbuildable_means_onednn_not_an_error():
 def test_a_built_extension_loads_without_the_builder(ext):
     """Every later process imports the built module directly: torch's builder costs ~0.1 s of
     imports and a ninja run, a tenth of a warm load."""
-    code = ("import sys; from linnet_core.backends import decode_kernels as k; "
+    code = ("import sys; from linnet_core.backends.cpu import extension as k; "
             "print(k.extension() is not None, 'torch.utils.cpp_extension' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["True", "False"]
@@ -213,7 +213,7 @@ def test_a_built_extension_loads_without_the_builder(ext):
 def test_a_fresh_machine_builds_the_kernel(ext, tmp_path):
     """What a first bfloat16 session does on a new machine: build into an empty folder (~25 s), with
     only the system's PATH (the ninja wheel's folder is added by the builder, not by an activated venv)."""
-    code = "from linnet_core.backends import decode_kernels as k; print(k.extension() is not None, k.why_not())"
+    code = "from linnet_core.backends.cpu import extension as k; print(k.extension() is not None, k.why_not())"
     env = {**os.environ, "LINNET_KERNELS": str(tmp_path / "kernels"),
            "PATH": os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
                                    if not p.startswith(sys.prefix))}
@@ -225,7 +225,7 @@ def test_a_fresh_machine_builds_the_kernel(ext, tmp_path):
 def test_compiled_steps_reach_the_kernels_through_cpp_operators(ext):
     """torch.ops.linnet_kernels.* take a handle into the session made active in this thread: each
     session's own weights, exactly the eager kernels' results, and a clear error outside one."""
-    from linnet_core.backends.cpu_kernels import Kernels, QuantLinear, QuantTable, active
+    from linnet_core.backends.cpu.linears import Kernels, QuantLinear, QuantTable, active
     from linnet_core.quant import dequantize, quantize
 
     g = torch.Generator().manual_seed(4)
@@ -245,7 +245,7 @@ def test_compiled_steps_reach_the_kernels_through_cpp_operators(ext):
 def test_float16_linears_run_decode_by_the_gemv_and_prompts_by_the_tiled_gemm(ext):
     """Decode rows by Linnet's GEMV, prompts by its tiled GEMM (float32 inside, rounded once: within
     half an ulp of float16 of the float32 product), every tile shape at the edges."""
-    from linnet_core.backends.cpu_kernels import HalfLinear
+    from linnet_core.backends.cpu.linears import HalfLinear
 
     assert linear_kernel(torch.float16) is HalfLinear
     g = torch.Generator().manual_seed(6)
@@ -275,7 +275,7 @@ def test_packed_float16_linears_match_the_unpacked_kernels(ext):
     within a float32 rounding of the row kernel's (sums in another order), prompts within float16's
     rounding of the float32 product, at every tile edge (rows past a block of 8, token rows past a
     tile of 6)."""
-    from linnet_core.backends.cpu_kernels import PackedHalfLinear
+    from linnet_core.backends.cpu.linears import PackedHalfLinear
 
     g = torch.Generator().manual_seed(7)
     for N, K in ((45, 32), (700, 64), (8, 48)):
@@ -303,7 +303,7 @@ def test_packed_float16_linears_match_the_unpacked_kernels(ext):
 def test_float16_heads_tied_to_the_token_table_keep_their_layout(ext):
     """A float16 linear is repacked (its mapped original released); a head that is the token table
     keeps the table's layout, which the step's gathers read."""
-    from linnet_core.backends.cpu_kernels import HalfLinear, PackedHalfLinear
+    from linnet_core.backends.cpu.linears import HalfLinear, PackedHalfLinear
 
     g = torch.Generator().manual_seed(8)
     table, proj = torch.randn(40, 32, generator=g).half(), torch.randn(24, 32, generator=g).half()
@@ -327,12 +327,12 @@ def test_fused_step_kernels_compute_what_their_helpers_do(ext, dtype):
     """silu_mul and add_rms_norm exactly as the helpers' lines over the single kernels (silu at 16
     bits, F.silu for float32); the attention block of three one-token rows (q/k norms, partial rotary,
     a sliding window) exactly as its helper over the unfused kernels, caches included."""
-    from linnet_core.backends.cpu_kernels import DecodeAttention, StepKernels
+    from linnet_core.backends.cpu.step_kernels import DecodeAttention, StepKernels
 
     g = torch.Generator().manual_seed(3)
     gate_up = torch.randn(1, 3, 2 * 1001 + 6, generator=g).to(dtype)[..., :2002]  # rows at a stride, a tail
     single = StepKernels(silu=ext.silu if dtype != torch.float32 else None)
-    assert torch.equal(ext.silu_mul(gate_up), decode_kernels.generic("silu_mul")(gate_up, single))
+    assert torch.equal(ext.silu_mul(gate_up), selfcheck.generic("silu_mul")(gate_up, single))
     x, y, w = (torch.randn(1, 3, 96, generator=g).to(dtype) for _ in range(3))
     total, normed = ext.add_rms_norm(x, y, w[0, 0], 1e-5)
     assert torch.equal(total, x + y) and torch.equal(normed, ext.rms_norm(x + y, w[0, 0], 1e-5))
@@ -341,13 +341,13 @@ def test_fused_step_kernels_compute_what_their_helpers_do(ext, dtype):
     qkv = torch.randn(1, 3, (heads + 2 * kv_heads) * D + 16, generator=g).to(dtype)[..., 16:]  # a view
     q_norm, k_norm = (torch.randn(D, generator=g).to(dtype) for _ in range(2))
     pos, rows = torch.tensor([[9, 0, 30]]), torch.tensor([[2, 0, 1]])
-    cos, sin = decode_kernels.generic("rope_table")(pos, torch.rand(8, generator=g), dtype)  # rotary 16 of 32
+    cos, sin = selfcheck.generic("rope_table")(pos, torch.rand(8, generator=g), dtype)  # rotary 16 of 32
     caches = [torch.randn(2, 3, kv_heads, 40, D, generator=g).to(dtype) for _ in range(2)]  # [L, rows, KV, S, D]
     mine = [c.clone() for c in caches]
     unfused = StepKernels(decode_attention=DecodeAttention(ext), rms_norm=ext.rms_norm, rope=ext.rope,
                           write_cache=ext.write_cache)
     for norms, window in (((q_norm, k_norm), 8), ((None, None), None)):
-        want = decode_kernels.generic("attention_block")(
+        want = selfcheck.generic("attention_block")(
             qkv, heads, kv_heads, D, *norms, 1e-6, cos, sin, pos, rows, rows[0], None, torch.zeros(0, dtype=torch.long),
             None, None, None, *caches, 1, window, 0.17, unfused)
         got = ext.attention_block(qkv, heads, kv_heads, *norms, 1e-6, cos, sin, pos, rows, *mine, 1, window or 0, 0.17)
@@ -357,7 +357,7 @@ def test_fused_step_kernels_compute_what_their_helpers_do(ext, dtype):
 
 def test_the_attention_block_leaves_prompt_chunks_to_the_lines(ext):
     """A step with a prompt chunk takes the helper's own lines (the kernel attends one-token rows only)."""
-    from linnet_core.backends.cpu_kernels import StepKernels
+    from linnet_core.backends.cpu.step_kernels import StepKernels
 
     def refuse(*a):
         raise AssertionError("the fused kernel was called for a prompt chunk")
@@ -365,10 +365,10 @@ def test_the_attention_block_leaves_prompt_chunks_to_the_lines(ext):
     g = torch.Generator().manual_seed(4)
     qkv = torch.randn(1, 4, 4 * 16, generator=g)
     pos, rows = torch.arange(4)[None], torch.zeros(1, 4, dtype=torch.long)
-    cos, sin = decode_kernels.generic("rope_table")(pos, torch.rand(8, generator=g), torch.float32)
+    cos, sin = selfcheck.generic("rope_table")(pos, torch.rand(8, generator=g), torch.float32)
     caches = [torch.zeros(1, 1, 1, 8, 16) for _ in range(2)]
     index = (torch.zeros(0, dtype=torch.long), 1, torch.tensor([0]), torch.arange(4)[None], torch.arange(4), 4)
-    helper = decode_kernels.generic("attention_block")
+    helper = selfcheck.generic("attention_block")
     got = helper(qkv, 2, 1, 16, None, None, None, cos, sin, pos, rows, *index, *caches, 0, None, 0.25,
                  StepKernels(attention_block=refuse))
     want = helper(qkv, 2, 1, 16, None, None, None, cos, sin, pos, rows, *index,
@@ -408,9 +408,9 @@ def test_a_lock_left_by_a_killed_build_is_cleared_and_a_fresh_one_kept(tmp_path)
     removed (with a notice), a recent one (a build still running) is left to the builder."""
     lock = tmp_path / "lock"
     lock.touch()
-    assert not decode_kernels.clear_stale_lock(tmp_path) and lock.exists()
-    old = os.path.getmtime(lock) - decode_kernels.STALE_LOCK_S - 60
+    assert not build.clear_stale_lock(tmp_path) and lock.exists()
+    old = os.path.getmtime(lock) - build.STALE_LOCK_S - 60
     os.utime(lock, (old, old))
-    with pytest.warns(decode_kernels.KernelBuildNotice, match="stale build lock"):
-        assert decode_kernels.clear_stale_lock(tmp_path)
-    assert not lock.exists() and not decode_kernels.clear_stale_lock(tmp_path)
+    with pytest.warns(build.KernelBuildNotice, match="stale build lock"):
+        assert build.clear_stale_lock(tmp_path)
+    assert not lock.exists() and not build.clear_stale_lock(tmp_path)

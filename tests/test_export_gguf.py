@@ -16,8 +16,8 @@ pytest.importorskip("gguf")
 from linnet_core.errors import BackendUnavailable, UnsupportedModel  # noqa: E402
 from linnet_core.export import gguf_export  # noqa: E402
 from linnet_core.export.gguf_export import export_gguf, permute_for_interleaved_rope  # noqa: E402
-from linnet_core.export.gguf_read import read_gguf  # noqa: E402
-from linnet_core.export.roundtrip import ExportCheckFailed, transformers_gguf_gaps  # noqa: E402
+from linnet_core.gguf.reader import read_gguf  # noqa: E402
+from linnet_core.check.roundtrip import ExportCheckFailed, transformers_gguf_gaps  # noqa: E402
 from linnet_core.models import load_spec  # noqa: E402
 from linnet_core.weights import Checkpoint  # noqa: E402
 
@@ -274,7 +274,7 @@ def test_lossy_agreement_counts_only_positions_the_reference_decides():
     """Near-ties in the reference (random weights have many) cannot fail a lossy export's check."""
     import numpy as np
 
-    from linnet_core.export.roundtrip import decisive_agreement
+    from linnet_core.check.agreement import decisive_agreement
 
     ref = np.array([[5.0, 0.0, 0.0], [1.0, 1.001, 0.0], [0.0, 0.0, 4.0]])  # the middle row is a tie
     got = np.array([[4.9, 0.1, 0.0], [1.01, 1.0, 0.0], [0.0, 0.1, 3.9]])  # disagrees only on the tie

@@ -12,7 +12,7 @@ from test_cli import assert_one_line_error, invoke
 
 from linnet_core.export import hf_export
 from linnet_core.export.hf_export import export_hf
-from linnet_core.export.roundtrip import SAMPLE_TEXT, ExportCheckFailed
+from linnet_core.check.roundtrip import SAMPLE_TEXT, ExportCheckFailed
 from linnet_core.models import load_spec, spec_from_config
 from linnet_core.units import parse_size
 from linnet_core.weights import Checkpoint

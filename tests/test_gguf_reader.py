@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from linnet_core.errors import CheckpointError
-from linnet_core.export.gguf_read import GGUFError, read_gguf
+from linnet_core.gguf.reader import GGUFError, read_gguf
 
 U32, U64, STRING, ARRAY, F32 = 4, 10, 8, 9, 6
 

@@ -16,8 +16,8 @@ pytest.importorskip("gguf")
 
 from linnet_core.compile import load_model, open_model  # noqa: E402
 from linnet_core.export.gguf_export import export_gguf  # noqa: E402
-from linnet_core.export.gguf_read import read_gguf  # noqa: E402
-from linnet_core.export.roundtrip import SAMPLE_TEXT  # noqa: E402
+from linnet_core.gguf.reader import read_gguf  # noqa: E402
+from linnet_core.check.roundtrip import SAMPLE_TEXT  # noqa: E402
 from linnet_core.tokenizer import Tokenizer  # noqa: E402
 
 PROMPT = [3, 17, 5, 42, 11, 7, 29, 13]
@@ -131,7 +131,7 @@ def test_the_tokenizer_read_from_a_gguf_encodes_as_llama_cpp_does(case, exported
     pytest.importorskip("llama_cpp")
     from llama_cpp import Llama
 
-    from linnet_core.llamacpp_ref import native_stderr_kept
+    from linnet_core.gguf.llamacpp_reference import native_stderr_kept
 
     mine = Tokenizer(exported(case))
     with native_stderr_kept():
@@ -190,7 +190,7 @@ needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is No
                                       ("phi3-fused-window", "f32"),
                                       pytest.param("llama-gqa-untied", "q8_0", marks=needs_kernels)])
 def test_verify_of_a_gguf_takes_llama_cpp_on_the_file_as_its_reference(case, fmt, exported):
-    from linnet_core.verify import verify
+    from linnet_core.check.verify import verify
 
     dtype = {"f32": "float32", "q8_0": "q8_0"}[fmt]
     report = verify(exported(case, fmt), "torch", dtype, steps=4, prompt="Hi")  # phi3-fused-window: 8 positions
@@ -218,7 +218,7 @@ def test_llama3_rope_scaling_is_read_from_the_rope_freqs_tensor(exported, tokeni
     assert_one_line_error(invoke("export", "hf", exported(case), tmp_path / "hf"), 1, "rope_freqs")
     assert not (tmp_path / "hf").exists()
     if importlib.util.find_spec("llama_cpp") is not None:
-        from linnet_core.verify import verify
+        from linnet_core.check.verify import verify
 
         report = verify(exported(case), "torch", "float32", steps=4, prompt="Hi")
         assert report.passed and report.tokens_match, (report.distance, report.tolerance)
@@ -258,7 +258,7 @@ def test_ggufs_the_gguf_package_writes_compute_as_llama_cpp(qtype, exported, tmp
     """Not only Linnet's own writer: every family's GGUF converted and quantized by the gguf package
     alone reads back to the same spec and computes as llama.cpp does on the file (verify passes;
     Q8_0 and Q4_0 kept as the file's blocks)."""
-    from linnet_core.verify import verify
+    from linnet_core.check.verify import verify
 
     for case in FAMILY_CASES:
         path = written_by_the_gguf_package(exported(case), tmp_path / f"{case}-{qtype}.gguf", qtype)
@@ -343,8 +343,8 @@ def test_k_quant_files_from_llama_cpps_quantizer_compute_as_llama_cpp(case_id, f
     from family_fixtures import CASES, TOKENIZED_VOCAB, make_checkpoint
     from tokenizer_fixtures import write_tokenizer
 
-    from linnet_core.llamacpp_ref import native_stderr_kept
-    from linnet_core.verify import verify
+    from linnet_core.gguf.llamacpp_reference import native_stderr_kept
+    from linnet_core.check.verify import verify
     from linnet_core.weights import Checkpoint
 
     case = next(c for c in CASES if c.id == case_id)
@@ -386,11 +386,12 @@ def test_serve_takes_a_gguf_and_answers_as_the_checkpoint(exported, tokenized_ch
     """`linnet serve x.gguf`: the chat template and tokenizer come from the file, the reply is the
     checkpoint's own greedy reply."""
     httpx = pytest.importorskip("httpx")
-    from linnet_core.bench.serving import _start_server
+    from linnet_core.bench.serving.targets import start_server
+    from linnet_core.serve.config import ServeConfig
     from linnet_core.runtime.generate import Generation
 
     case = "qwen2-bias-tied"
-    proc, url = _start_server(str(exported(case)), "torch", "float32", 2, 64)
+    proc, url = start_server(str(exported(case)), ServeConfig(dtype="float32", rows=2, cache_len=64))
     try:
         r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
             "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6, "temperature": 0, "ignore_eos": True})

@@ -79,7 +79,7 @@ def test_tensorrt_engine_key_follows_the_gpu_and_tensorrt(monkeypatch):
 
     def key(gpu: str) -> str:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu)
-        tc = tuple(sorted(backend.toolchain().items()))
+        tc = tuple(sorted(backend.cache_toolchain().items()))
         return ArtifactKey("m", "id", "tensorrt", "bfloat16", 64, tc).digest
 
     h100, h200 = key("NVIDIA H100 80GB HBM3"), key("NVIDIA H200")
@@ -164,7 +164,7 @@ def test_seed_shards_stay_under_their_size():
 def test_tiny_seed_is_a_complete_checkpoint(tmp_path):
     from make_seed_models import write_seed
 
-    from linnet_core.verify import verify
+    from linnet_core.check.verify import verify
 
     folder = write_seed("mistral-7b-instruct-v0.3", tmp_path / "m", tiny=True, shard_gb=0.004)
     index = json.loads((folder / "model.safetensors.index.json").read_text())

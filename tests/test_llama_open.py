@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from linnet_core import llama_open
+from linnet_core.gguf import llama_open
 
 llama_cpp = pytest.importorskip("llama_cpp")
 

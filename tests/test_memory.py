@@ -151,8 +151,9 @@ def test_a_reference_too_big_for_float32_runs_in_the_checks_dtype(checkpoints, m
     """verify holds one model at a time; when float32 would not fit, the reference runs in half precision."""
     import linnet_core.memory as memory
     from linnet_core.compile import open_model
-    from linnet_core.reference import reference_dtype
-    from linnet_core.verify import TOLERANCE, verify
+    from linnet_core.check.reference import reference_dtype
+    from linnet_core.check.agreement import TOLERANCE
+    from linnet_core.check.verify import verify
 
     path = checkpoints["llama-gqa-untied"]
     spec = open_model(path).spec

@@ -8,8 +8,9 @@ import torch
 from family_fixtures import CASE_IDS, CPU_BACKENDS, HALF_DTYPES
 
 from linnet_core.compile import load_model
-from linnet_core.reference import load_reference, run_reference
-from linnet_core.verify import TOLERANCE, verify
+from linnet_core.check.reference import load_reference, run_reference
+from linnet_core.check.agreement import TOLERANCE
+from linnet_core.check.verify import verify
 
 STEPS = 8
 PROMPT = [3, 17, 42, 7, 99, 120, 5, 64, 33, 150, 11, 2]  # 12 tokens: longer than the window-8 fixtures

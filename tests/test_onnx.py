@@ -20,7 +20,7 @@ from linnet_core.errors import BackendUnavailable, IRError  # noqa: E402
 from linnet_core.ir.ops import OPS  # noqa: E402
 from linnet_core.ir.passes import optimize  # noqa: E402
 from linnet_core.models import build_graph, load_spec  # noqa: E402
-from linnet_core.verify import verify  # noqa: E402
+from linnet_core.check.verify import verify  # noqa: E402
 from linnet_core.weights import Checkpoint  # noqa: E402
 
 STEPS = 8  # float32 and float16 against the reference, and batched rows: test_numerics.py

@@ -12,7 +12,7 @@ import torch
 from family_fixtures import CASES, FAMILY_CASES, make_checkpoint, needs_kernels
 from test_cli import assert_one_line_error, invoke
 
-from linnet_core.backends import decode_kernels
+from linnet_core.backends.cpu import extension
 from linnet_core.quant import dequantize, int8_blocks, param_formats, quantize, summary
 
 FORMATS = ["q8_0", "q4_0"]
@@ -39,7 +39,7 @@ def test_kernel_is_a_float32_matmul_over_int8_activations_and_the_dequantized_we
     g = torch.Generator().manual_seed(rows)
     blocks = quantize(torch.randn(301, 256, generator=g), fmt)  # 301 rows: a last group of 8 padded
     x, bias = torch.randn(rows, 256, generator=g) * 3, torch.randn(301, generator=g)
-    got = decode_kernels.quant_linear(x, decode_kernels.repack(blocks, fmt), fmt, 301, bias)
+    got = extension.quant_linear(x, extension.repack(blocks, fmt), fmt, 301, bias)
     want = torch.nn.functional.linear(int8_blocks(x), dequantize(blocks, fmt), bias)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
 
@@ -50,7 +50,7 @@ def test_repacking_moves_the_bytes_and_changes_none(fmt):
     """8 rows interleaved per block: every scale and quant byte kept (q8_0's with the sign bit
     flipped, 128 above its value), the padding rows zero."""
     blocks = quantize(torch.randn(13, 64, generator=torch.Generator().manual_seed(1)), fmt)  # [13, 2 * bb]
-    packed = decode_kernels.repack(blocks, fmt)  # [2 groups, 2 blocks * 8 rows * bb]
+    packed = extension.repack(blocks, fmt)  # [2 groups, 2 blocks * 8 rows * bb]
     bb = blocks.shape[1] // 2
     assert packed.shape == (2, 2 * 8 * bb) and packed.dtype == torch.uint8
     if fmt == "q8_0":
@@ -69,7 +69,7 @@ def test_xla_dequantizes_in_the_graph_exactly(backend, case, fmt, checkpoints, s
     """Integer weights in, float32 out inside the graph: the same numbers as the reference's."""
     pytest.importorskip("jax")
     from linnet_core.cache import ArtifactCache
-    from linnet_core.verify import verify
+    from linnet_core.check.verify import verify
 
     r = verify(checkpoints[case], backend, fmt, steps=6, cache_len=64, cache=ArtifactCache(session_cache))
     assert r.passed and r.tokens_match, r.to_json()
@@ -88,10 +88,10 @@ def test_cpu_kernels_compute_as_llama_cpp_does(backend, case, fmt, checkpoints, 
     The kernel alone is held to float32's precision above."""
     if backend == "onnxruntime":
         pytest.importorskip("onnxruntime")
-    elif decode_kernels.extension() is None:
-        pytest.skip(f"Linnet's CPU kernels do not run here: {decode_kernels.why_not()}")
+    elif extension.extension() is None:
+        pytest.skip(f"Linnet's CPU kernels do not run here: {extension.why_not()}")
     from linnet_core.cache import ArtifactCache
-    from linnet_core.verify import verify
+    from linnet_core.check.verify import verify
 
     r = verify(checkpoints[case], backend, fmt, steps=6, cache_len=64, cache=ArtifactCache(session_cache))
     assert r.activations == "int8" and r.passed and r.top1_agreement >= 0.8, r.to_json()
@@ -109,7 +109,7 @@ def test_the_gpu_path_is_the_cpu_kernels_math(fmt):
     g = torch.Generator().manual_seed(8)
     blocks = quantize(torch.randn(96, 128, generator=g), fmt)
     x, bias = int8_blocks(torch.randn(3, 128, generator=g)), torch.randn(96, generator=g)
-    want = decode_kernels.quant_linear(x, decode_kernels.repack(blocks, fmt), fmt, 96, bias)
+    want = extension.quant_linear(x, extension.repack(blocks, fmt), fmt, 96, bias)
     assert torch.allclose(BlockLinear(blocks, fmt)(x, bias), want, atol=1e-4, rtol=1e-4)
     ids = torch.tensor([[5, 0, 95]])
     assert torch.equal(BlockTable(blocks, fmt)(ids), dequantize(blocks, fmt)[ids])
@@ -124,7 +124,7 @@ def test_quantized_weights_on_cuda(backend, fmt, checkpoints, session_cache):
     from linnet_core.backends import get_backend
     from linnet_core.cache import ArtifactCache
     from linnet_core.errors import BackendUnavailable
-    from linnet_core.verify import verify
+    from linnet_core.check.verify import verify
 
     try:
         get_backend(backend).check_device("cuda")
@@ -165,7 +165,7 @@ def test_the_nbits_layout_holds_the_same_weights():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_inductor_runs_the_same_kernels(fmt, checkpoints, session_cache):
     from linnet_core.cache import ArtifactCache
-    from linnet_core.verify import verify
+    from linnet_core.check.verify import verify
 
     r = verify(checkpoints["qwen2-bias-tied"], "inductor", fmt, steps=4, cache_len=64,
                cache=ArtifactCache(session_cache))
@@ -174,7 +174,7 @@ def test_inductor_runs_the_same_kernels(fmt, checkpoints, session_cache):
 
 @needs_kernels
 def test_the_session_holds_blocks_not_floats(checkpoints, session_cache):
-    from linnet_core.backends.cpu_kernels import QuantLinear, QuantTable
+    from linnet_core.backends.cpu.linears import QuantLinear, QuantTable
     from linnet_core.cache import ArtifactCache
     from linnet_core.compile import load_model
 
@@ -204,7 +204,7 @@ def test_a_tied_table_is_stored_once_as_the_head(checkpoints):
 def test_an_input_size_off_the_block_stays_float32_and_the_summary_says_so(tmp_path, session_cache):
     from linnet_core.cache import ArtifactCache
     from linnet_core.models import build_graph, load_spec
-    from linnet_core.verify import verify
+    from linnet_core.check.verify import verify
 
     case = next(c for c in CASES if c.id == "llama-gqa-untied")
     folder = make_checkpoint(case, tmp_path / "odd", intermediate_size=72)  # ffn_down takes 72 inputs
@@ -232,7 +232,7 @@ def test_the_gguf_export_holds_the_artifacts_very_blocks(fmt, tokenized_checkpoi
     from linnet_core.cache import ArtifactCache
     from linnet_core.compile import compile_model
     from linnet_core.export.gguf_export import export_gguf
-    from linnet_core.export.gguf_read import read_gguf
+    from linnet_core.gguf.reader import read_gguf
     from linnet_core.weights import Checkpoint
 
     src = tokenized_checkpoints["qwen3-headdim128"]  # rope not interleaved in llama.cpp: rows as stored
@@ -266,7 +266,7 @@ def test_run_takes_the_quantized_spelling(tokenized_checkpoints, tmp_path, monke
 
 
 def test_the_effect_measures_are_llama_cpps():
-    from linnet_core.quant_effect import measure
+    from linnet_core.check.quant_effect import measure
 
     g = np.random.default_rng(0)
     logits = g.normal(size=(20, 50)).astype(np.float32) * 4  # [T, V]

@@ -19,7 +19,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 from family_fixtures import needs_kernels  # noqa: E402
 
-from linnet_core.backends import decode_kernels  # noqa: E402
+from linnet_core.backends.cpu import extension  # noqa: E402
 
 HOME = Path(os.environ.get("LINNET_TRITON_HOME", Path.home() / ".cache" / "linnet-tests" / "triton"))
 CASE = "qwen2-bias-tied"
@@ -38,6 +38,7 @@ class Served(tuple):
 def triton(tokenized_checkpoints, tmp_path_factory):
     from linnet_core.errors import InputError
     from linnet_core.serve import free_port
+    from linnet_core.serve.config import ServeConfig
     from linnet_core.serve.triton import export_triton, launch_local_triton, prepare_local_triton
 
     try:
@@ -45,11 +46,12 @@ def triton(tokenized_checkpoints, tmp_path_factory):
     except InputError as e:
         pytest.skip(e.message)
     repo = tmp_path_factory.mktemp("triton") / "repo"
-    export_triton(tokenized_checkpoints[CASE], repo, "torch", "float32", rows=4, cache_len=96, name="tiny", env=env)
-    if decode_kernels.extension() is not None:  # a second model of the same repository: 4-bit weights
+    export_triton(tokenized_checkpoints[CASE], repo, ServeConfig(dtype="float32", rows=4, cache_len=96), name="tiny",
+                  env=env)
+    if extension.extension() is not None:  # a second model of the same repository: 4-bit weights
         quantized = repo.parent / "quantized"
-        export_triton(tokenized_checkpoints[CASE], quantized, "torch", "q4_0", rows=4, cache_len=96, name="tiny-q4",
-                      env=env)
+        export_triton(tokenized_checkpoints[CASE], quantized, ServeConfig(dtype="q4_0", rows=4, cache_len=96),
+                      name="tiny-q4", env=env)
         (quantized / "tiny-q4").rename(repo / "tiny-q4")
     port, grpc_port = free_port(), free_port()
     log = repo.parent / "triton.log"

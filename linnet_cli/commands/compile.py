@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from rich.markup import escape
 
+from linnet_core.models import build_graph
+
 from ..options import BackendName, BackendOpt, CacheLenOpt, DtypeOpt, JsonOpt, ModelArg, QuietOpt, RevisionOpt
 from ..output import Sink, handle_errors
 
@@ -20,13 +22,12 @@ def compile_command(
 ) -> None:
     """Compile MODEL for a backend; prints the artifact path, whether it was cached, and the time."""
     # The core (and torch) load here, not at CLI start-up, so --help and completion stay fast.
-    from linnet_core.compile import compile_model
+    from linnet_core.compile import compile_model  # imports torch: not at start-up
 
     sink = Sink(json, quiet)
     c = compile_model(model, backend.value, dtype, cache_len, revision=revision, progress=sink.info)
     state = "cache hit" if c.hit else "compiled"
-    from linnet_core.models import build_graph
-    from linnet_core.quant import summary
+    from linnet_core.quant import summary  # imports torch: not at start-up
 
     stored = summary(build_graph(c.model.spec), c.dtype)
     if stored:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from rich.markup import escape
 
+from linnet_core.doctor import diagnose
+
 from ..options import JsonOpt, QuietOpt
 from ..output import Sink, handle_errors
 
@@ -14,8 +16,6 @@ def doctor_command(json: JsonOpt = False, quiet: QuietOpt = False) -> None:
     providers, TensorRT, llama.cpp bindings), the artifact cache, and every backend: ready, or the
     one-line reason and the install command."""
     from rich.table import Table
-
-    from linnet_core.doctor import diagnose
 
     sink = Sink(json, quiet)
     report = diagnose()

@@ -8,9 +8,26 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from linnet_core.dtypes import FORMATS, normalize_format
+from linnet_core.serve.config import ServeConfig
 from linnet_core.units import format_size
 
-from ..options import BackendName, BackendOpt, CacheLenOpt, DtypeOpt, JsonOpt, ModelArg, QuietOpt, RevisionOpt
+from ..options import (
+    BackendName,
+    BackendOpt,
+    BurstWaitOpt,
+    CacheLenOpt,
+    DecodeStallOpt,
+    DtypeOpt,
+    JsonOpt,
+    MaxWaitingOpt,
+    ModelArg,
+    PrefillChunkOpt,
+    PrefixCachingOpt,
+    QuietOpt,
+    RevisionOpt,
+    RowsOpt,
+)
 from ..output import Sink, handle_errors
 
 export_app = typer.Typer(help="Export a model for another runtime.", no_args_is_help=True)
@@ -22,8 +39,7 @@ CHECKERS = ("llama.cpp", "transformers")
 
 
 def _gguf_dtype(value: str) -> str:
-    from linnet_core.dtypes import FORMATS, normalize_format
-    from linnet_core.export.gguf_export import GGUF_DTYPES, GGUF_FORMATS
+    from linnet_core.export.gguf_export import GGUF_DTYPES, GGUF_FORMATS  # imports torch: not at start-up
 
     if value == "auto":
         return value
@@ -66,7 +82,7 @@ def export_onnx_command(
     """The ONNX graph (prefill and batched decode over a static KV cache), its external weights,
     interface.json (entry points, input/output names, cache layout) and the tokenizer files."""
     # The core (and torch) load here, not at CLI start-up, so --help and completion stay fast.
-    from linnet_core.export.onnx_export import export_onnx
+    from linnet_core.export.onnx_export import export_onnx  # imports torch: not at start-up
 
     sink = Sink(json, quiet)
     sink.info(f"exporting {model} to ONNX ({dtype})...")
@@ -91,7 +107,7 @@ def export_hf_command(
     their index, config.json in both config styles, generation_config.json, tokenizer and chat
     template. Unless --no-check, transformers loads it back and its logits are compared with the
     source's before OUT appears."""
-    from linnet_core.export.hf_export import export_hf
+    from linnet_core.export.hf_export import export_hf  # imports torch: not at start-up
 
     sink = Sink(json, quiet)
     sink.info(f"exporting {model} as a Hugging Face checkpoint ({dtype})...")
@@ -120,7 +136,7 @@ def export_gguf_command(
     """One GGUF file for llama.cpp: its architecture keys and tensor layout, the vocabulary, merges,
     special tokens and chat template. Unless --no-check, llama.cpp (or transformers) loads it back
     and its logits are compared with the source's before OUT appears."""
-    from linnet_core.export.gguf_export import export_gguf
+    from linnet_core.export.gguf_export import export_gguf  # imports torch: not at start-up
 
     sink = Sink(json, quiet)
     sink.info(f"exporting {model} as GGUF ({dtype})...")
@@ -135,8 +151,13 @@ def export_triton_command(
     out: OutArg,
     backend: BackendOpt = BackendName.torch,
     dtype: DtypeOpt = "auto",
-    rows: Annotated[int, typer.Option("--rows", min=1, help="KV-cache rows: requests decoded together.")] = 8,
+    rows: RowsOpt = ServeConfig.rows,
     cache_len: CacheLenOpt = None,
+    prefill_chunk: PrefillChunkOpt = ServeConfig.prefill_chunk,
+    max_waiting: MaxWaitingOpt = ServeConfig.max_waiting,
+    decode_stall: DecodeStallOpt = ServeConfig.decode_stall,
+    burst_wait: BurstWaitOpt = ServeConfig.burst_wait_ms,
+    prefix_caching: PrefixCachingOpt = ServeConfig.prefix_caching,
     name: Annotated[Optional[str], typer.Option("--name", help="Model name in the repository.")] = None,
     env: Annotated[Optional[Path], typer.Option(
         "--env", help="Python environment Triton runs the model in (linnet installed, numpy < 2); "
@@ -147,9 +168,12 @@ def export_triton_command(
 ) -> None:
     """A Triton Inference Server model repository: OUT/NAME/config.pbtxt (python backend, decoupled,
     text_input / max_tokens / stream / sampling_parameters in, text_output / finish_reason out) and
-    OUT/NAME/1/model.py, which runs the same continuous-batching engine as `linnet serve`."""
-    from linnet_core.serve.triton import export_triton
+    OUT/NAME/1/model.py, which runs the same continuous-batching engine as `linnet serve`, configured by
+    the linnet_* parameters config.pbtxt holds (the engine options here; edit them there later)."""
+    from linnet_core.serve.triton import export_triton  # imports torch: not at start-up
 
     sink = Sink(json, quiet)
-    result = export_triton(model, out, backend.value, dtype, rows, cache_len, name, env, force)
+    config = ServeConfig(model, backend.value, dtype, rows, cache_len, prefill_chunk, max_waiting, decode_stall,
+                         burst_wait, prefix_caching)
+    result = export_triton(model, out, config, name, env, force)
     _report(sink, result, {"format": "triton", "backend": backend.value, "dtype": dtype})

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from rich.markup import escape
 
+from linnet_core.hub import is_cached
+from linnet_core.models.catalog import CATALOG
+
 from ..options import JsonOpt, QuietOpt
 from ..output import Sink, handle_errors
 
@@ -13,9 +16,6 @@ def models_command(json: JsonOpt = False, quiet: QuietOpt = False) -> None:
     """Known short names (usable wherever a MODEL is asked for), each with its Hugging Face repo id,
     family, size and whether it is already in the local Hugging Face cache."""
     from rich.table import Table
-
-    from linnet_core.hub import is_cached
-    from linnet_core.models.catalog import CATALOG
 
     sink = Sink(json, quiet)
     rows = [{"name": name, "repo": m.repo, "model_type": m.model_type, "parameters": m.parameters,

@@ -8,6 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from linnet_core.errors import InputError
+from linnet_core.tokenizer import IncrementalDecoder, Tokenizer
+
 from ..options import BackendName, BackendOpt, CacheLenOpt, DtypeOpt, JsonOpt, OptionalModelArg, QuietOpt, RevisionOpt
 from ..output import Sink, handle_errors
 
@@ -31,11 +34,9 @@ def run_command(
 ) -> None:
     """Generate from MODEL (default: the embedded model), streaming text as it is chosen."""
     # The core (and torch) load here, not at CLI start-up, so --help and completion stay fast.
-    from linnet_core.compile import load_model, open_model
-    from linnet_core.errors import InputError
-    from linnet_core.runtime.generate import Generation
-    from linnet_core.runtime.sampling import Sampler, SamplingParams
-    from linnet_core.tokenizer import IncrementalDecoder, Tokenizer
+    from linnet_core.compile import load_model, open_model  # imports torch: not at start-up
+    from linnet_core.runtime.generate import Generation  # imports torch: not at start-up
+    from linnet_core.runtime.sampling import Sampler, SamplingParams  # imports torch: not at start-up
 
     sink = Sink(json, quiet)
     m = open_model(model, revision)

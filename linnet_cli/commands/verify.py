@@ -6,6 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from linnet_core.check.quant_effect import QuantEffect
+
 from ..options import (
     BackendName,
     BackendOpt,
@@ -34,8 +36,7 @@ def verify_command(
     """Compare a backend with transformers (eager) on the same tokens (a .gguf file: with llama.cpp on
     the file); exit 3 past the tolerance."""
     # The core (and torch) load here, not at CLI start-up, so --help and completion stay fast.
-    from linnet_core.quant_effect import QuantEffect
-    from linnet_core.verify import verify
+    from linnet_core.check.verify import verify  # imports torch: not at start-up
 
     sink = Sink(json, quiet)
     gguf = str(model or "").lower().endswith(".gguf")  # a GGUF's reference is llama.cpp on the file

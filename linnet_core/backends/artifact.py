@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import params as prepared
 from ..ir.graph import Graph
+from ..ir.verify import verify
 from ..weights import Checkpoint, read_header, write_safetensors
 
 if TYPE_CHECKING:
@@ -44,8 +45,10 @@ def read_info(artifact: Path) -> dict:
 
 
 def read_graph(artifact: Path) -> Graph:
-    """The graph the artifact was emitted from, verified again."""
-    return Graph.from_json(json.loads((artifact / "graph.json").read_text()))
+    """The graph the artifact was emitted from, verified again: what was compiled is what is loaded."""
+    graph = Graph.from_json(json.loads((artifact / "graph.json").read_text()))
+    verify(graph)
+    return graph
 
 
 def write_prepared_weights(path: Path, graph: Graph, ckpt: Checkpoint, dtype: str) -> None:

@@ -23,6 +23,7 @@ from ..runtime.session import Session
 from ..weight_store import Placer, fingerprint, write_here
 from ..weights import Checkpoint
 from .artifact import WEIGHTS_FILE, write_artifact_info, write_prepared_weights
+from .registry import QUANTIZED_ON
 
 
 class Backend(ABC):
@@ -38,7 +39,11 @@ class Backend(ABC):
 
     @abstractmethod
     def toolchain(self) -> dict[str, str]:
-        """Versions that change the artifact; part of the cache key."""
+        """Versions of what builds and runs the artifact (the cache key adds `artifact_format` itself)."""
+
+    def cache_toolchain(self) -> dict[str, str]:
+        """What of this backend keys the artifact cache: its toolchain's versions and its artifact format."""
+        return {**self.toolchain(), "format": self.artifact_format}
 
     def check_available(self, dtype: str) -> None:
         """Raise BackendUnavailable, saying why in one line, when this backend cannot run here."""
@@ -47,8 +52,6 @@ class Backend(ABC):
     def check_format(self, dtype: str) -> None:
         """Refuse a block-quantized format this backend has no kernels for, naming those that do
         (never a silent dequantization to float32 at load)."""
-        from . import QUANTIZED_ON
-
         if FORMATS[dtype].quantized and dtype not in QUANTIZED_ON.get(self.name, ()):
             runs = ", ".join(name for name, formats in QUANTIZED_ON.items() if dtype in formats)
             raise BackendUnavailable(f"the {self.name} backend has no kernels for {dtype} weights yet; "

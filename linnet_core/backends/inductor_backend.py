@@ -3,7 +3,7 @@
 Static shapes: prompts are padded to power-of-two buckets and decode batches to power-of-two
 row counts (padding rows write into one spare cache row), attention always spans the whole
 cache, so each bucket compiles once, with `fullgraph=True` (a graph break is an error, not a
-slowdown). On CPU the linear weights are packed for oneDNN (see cpu_kernels) and the rest are frozen
+slowdown). On CPU the linear weights are packed for oneDNN (see cpu/linears.py) and the rest are frozen
 into constants, so inductor fuses everything around the GEMVs.
 Inductor's caches live in the artifact (`inductor_cache/`), filled for the first buckets at
 compile time, so a second process loads compiled code instead of compiling it again.
@@ -22,9 +22,16 @@ import torch
 
 from ..errors import BackendUnavailable
 from ..runtime.session import Session
-from . import cpu_kernels
-from .artifact import MIN_PROMPT_BUCKET, WEIGHTS_FILE, bucket, import_generated, load_prepared_weights, read_info, \
-    warm_up
+from .artifact import (
+    MIN_PROMPT_BUCKET,
+    WEIGHTS_FILE,
+    bucket,
+    import_generated,
+    load_prepared_weights,
+    read_info,
+    warm_up,
+)
+from .cpu.linears import active as kernels_active
 from .torch_backend import TorchBackend, TorchSession, check_quantized, session_weights
 
 # Inductor reads its cache folder from the environment whenever it compiles; the variable is
@@ -130,7 +137,7 @@ class CompiledTorchSession(TorchSession):
         # Once a bucket has compiled, only the guards that tell compiled buckets apart need to run:
         # the rest (every weight's) cost ~0.17 ms of a ~4.5 ms decode step at the 191M Qwen3's shape.
         stance = torch.compiler.set_stance(skip_guard_eval_unsafe=key in self.compiled_buckets)
-        with torch.inference_mode(), cpu_kernels.active(self.kernels), inductor_cache(self.cache_dir), stance:
+        with torch.inference_mode(), kernels_active(self.kernels), inductor_cache(self.cache_dir), stance:
             next_token, logits = self.compiled(ids_p.to(dev), start_p.to(dev), slots_p.to(dev), last.to(dev),
                                                self.k_cache, self.v_cache, all_logits)
         self.compiled_buckets.add(key)
@@ -146,7 +153,7 @@ class InductorBackend(TorchBackend):
     loads_at_compile = True  # inductor compiles by running the step (freezing needs the weights)
 
     def toolchain(self) -> dict[str, str]:
-        return {**super().toolchain(), "backend": self.name, "format": self.artifact_format}
+        return {**super().toolchain(), "backend": self.name}
 
     def finish(self, out: Path) -> None:
         warm_up(self.load(out, rows=1))

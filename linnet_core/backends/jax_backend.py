@@ -24,9 +24,18 @@ from ..ir.graph import Graph
 from ..quant import BLOCK, nbits_layout, nbits_shapes
 from ..runtime.sampling import Sampler
 from ..runtime.session import Session
-from .artifact import MIN_PROMPT_BUCKET, WEIGHTS_FILE, bucket, import_generated, load_prepared_weights, \
-    prepared_shapes, read_info, warm_up_shapes
+from .artifact import (
+    MIN_PROMPT_BUCKET,
+    WEIGHTS_FILE,
+    bucket,
+    import_generated,
+    load_prepared_weights,
+    prepared_shapes,
+    read_info,
+    warm_up_shapes,
+)
 from .base import Backend
+from .jax_emit import emit
 
 INSTALL_HINT = "pip install 'linnet[jax]'"
 CUDA_HINT = "pip install 'jax[cuda13]' (or cuda12, matching the driver)"
@@ -216,7 +225,7 @@ class XlaBackend(Backend):
 
     def toolchain(self) -> dict[str, str]:
         jax = import_jax()
-        return {"jax": jax.__version__, "platform": jax.default_backend(), "format": self.artifact_format}
+        return {"jax": jax.__version__, "platform": jax.default_backend()}
 
     def check_available(self, dtype: str) -> None:
         import_jax()
@@ -239,8 +248,6 @@ class JaxBackend(XlaBackend):
     title = "XLA (generated JAX)"
 
     def emit(self, graph: Graph, dtype: str, cache_len: int, out: Path) -> None:
-        from .jax_emit import emit
-
         (out / "model_jax.py").write_text(emit(graph))
 
     def finish(self, out: Path) -> None:

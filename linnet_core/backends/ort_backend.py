@@ -173,7 +173,7 @@ class OnnxRuntimeBackend(Backend):
     def toolchain(self) -> dict[str, str]:
         import onnx
 
-        return {"onnx": onnx.__version__, "onnxruntime": import_ort().__version__, "format": self.artifact_format}
+        return {"onnx": onnx.__version__, "onnxruntime": import_ort().__version__}
 
     def check_available(self, dtype: str) -> None:
         require_onnx()

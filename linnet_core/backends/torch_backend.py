@@ -23,15 +23,15 @@ from ..runtime.ragged import RaggedLayout
 from ..runtime.session import Session
 from .artifact import WEIGHTS_FILE, import_generated, load_prepared_weights, read_info
 from .base import Backend
-from . import decode_kernels
-from .cpu_kernels import DecodeLinear, HalfLinear, add_step_kernels, linear_kernel, pack_linear_weights
+from .cpu import extension as cpu_kernels
+from .cpu.linears import DecodeLinear, HalfLinear, linear_kernel, pack_linear_weights
+from .cpu.step_kernels import add_step_kernels
 from .torch_emit import emit
-
 
 # Linear weights the eager backend packs for oneDNN at load. float32's packed kernel streams twice
 # as fast (35 vs 16 GB/s here); bfloat16's gains 14% (22.4 vs 19.6 GB/s) but packing 8 GB takes
 # ~3.5 s at every load, so bfloat16 stays mapped, served by Linnet's own GEMV where it runs
-# (decode_kernels: ~41 GB/s, no copy) and F.linear elsewhere (measured, Qwen3-4B shapes).
+# (csrc/gemv.cpp: ~41 GB/s, no copy) and F.linear elsewhere (measured, Qwen3-4B shapes).
 PACKED_AT_LOAD = ("float32",)
 
 
@@ -51,7 +51,7 @@ def cpu_weights(weights: dict, info: dict, eager: bool) -> list:
     in_small_pages = getattr(weights, "in_small_pages", lambda name: None)  # a plain dict: nothing mapped
     for name in tables:
         in_small_pages(name)
-    add_step_kernels(weights, torch_dtype(info["dtype"]), info["cache"]["head_dim"], eager)
+    add_step_kernels(weights, cpu_kernels.extension(), torch_dtype(info["dtype"]), info["cache"]["head_dim"], eager)
     return kernels
 
 
@@ -101,8 +101,8 @@ def check_quantized(dtype: str, device: str) -> None:
     refuse, in one line, where those kernels do not build."""
     if not FORMATS[dtype].quantized or device != "cpu":
         return
-    if decode_kernels.extension() is None:
-        raise BackendUnavailable(f"{dtype} weights need Linnet's CPU kernels, and here {decode_kernels.why_not()}",
+    if cpu_kernels.extension() is None:
+        raise BackendUnavailable(f"{dtype} weights need Linnet's CPU kernels, and here {cpu_kernels.why_not()}",
                                  hint="choose --dtype bf16 or float32")
 
 
@@ -154,7 +154,7 @@ class TorchBackend(Backend):
     artifact_format = "10"
 
     def toolchain(self) -> dict[str, str]:
-        return {"torch": torch.__version__, "format": self.artifact_format}
+        return {"torch": torch.__version__}
 
     def check_available(self, dtype: str) -> None:
         if dtype not in FORMATS:

@@ -183,7 +183,7 @@ def attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, gqa, k
 '''
 
 
-# Kernels the runtime may hand the step (cpu_kernels.StepKernels), looked up once per step.
+# Kernels the runtime may hand the step (cpu/step_kernels.py's StepKernels), looked up once per step.
 STEP_KERNELS = 'kernels = g.get("step_kernels")  # the runtime\'s CPU kernels for the ops between matmuls, or None'
 
 # One template per op (placeholders: see pyemit).

@@ -3,7 +3,7 @@
 At decode every tensor between the matmuls is one token's, and each Python-level op's cost is
 mostly its first touch of code and data the weights' stream has just evicted (~20 ms of a 225 ms
 step at Qwen3-4B's shape). So the ragged torch step renders three patterns as one helper call each,
-which a kernel serves (cpu_kernels.StepKernels) or which runs the nodes' own lines:
+which a kernel serves (cpu/step_kernels.py's StepKernels) or which runs the nodes' own lines:
 - `attention_block`: split of the fused q/k/v projection, the heads' reshapes, optional q/k norms,
   both ropes, the attention and the reshape after it;
 - `silu_mul`: split of the fused gate/up projection into halves, silu of the first, times the second;

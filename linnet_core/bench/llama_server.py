@@ -21,6 +21,9 @@ import urllib.request
 from pathlib import Path
 
 from ..errors import InputError
+from ..file_locks import try_exclusive
+from ..private_dirs import check_private, make_private_dir
+from ..serve import free_port
 
 SOURCE_VERSION = "11434.0.0"
 SOURCE_URL = ("https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
@@ -44,7 +47,7 @@ class LlamaServerMissing(InputError):
 
 def built_path(root: Path | None = None) -> Path:
     """Where `build` puts the binary, under Linnet's cache (or `root`)."""
-    from ..cache import cache_root
+    from ..cache import cache_root  # imports torch: not at start-up
 
     return (root or cache_root()) / "tools" / f"llama-server-{SOURCE_VERSION}-{RECIPE}" / "llama-server"
 
@@ -62,7 +65,6 @@ def find() -> Path | None:
     built = built_path()
     if not built.exists():
         return None
-    from ..private_dirs import check_private
 
     check_private(built.parent)  # a binary Linnet runs: only from a folder of the user's own
     check_private(built)
@@ -78,9 +80,6 @@ def require() -> Path:
 
 def build(progress=lambda text: None) -> Path:
     """Download the declared source, check its digest, build llama-server (minutes, once)."""
-    from ..file_locks import try_exclusive
-    from ..private_dirs import make_private_dir
-
     target = built_path()
     home = target.parent
     make_private_dir(home)
@@ -163,8 +162,6 @@ class _CrashedAtStart(InputError):
 def _start(binary: Path, gguf: Path, slots: int, ctx_per_slot: int, threads: int, log: Path, timeout: float,
            extra: tuple[str, ...]) -> tuple[subprocess.Popen, str]:
     import httpx
-
-    from ..serve import free_port
 
     port = free_port()
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),

@@ -7,6 +7,8 @@ import platform
 import time
 from pathlib import Path
 
+from ..dtypes import FORMATS, compute_dtype
+from ..models import build_graph
 from ..models.spec import ModelSpec
 
 VERSIONED = ("linnet", "torch", "transformers", "jax", "onnxruntime", "onnxruntime-gpu", "tensorrt",
@@ -58,9 +60,7 @@ def decode_bytes_per_step(spec: ModelSpec, dtype: str, mean_position: float, bat
     """Bytes one decode step must read: every weight except the embedding table (a gather reads one
     row; a tied head is read in full as the output projection) in the format `dtype` stores it
     (quantized blocks included), and each row's KV cache so far in the compute dtype."""
-    from ..dtypes import FORMATS, compute_dtype
-    from ..models import build_graph
-    from ..quant import param_formats
+    from ..quant import param_formats  # imports torch: not at start-up
 
     graph = build_graph(spec)
     formats = param_formats(graph, dtype)
@@ -78,7 +78,7 @@ def decode_bytes_per_step(spec: ModelSpec, dtype: str, mean_position: float, bat
 def peak_rss(pid: int | str = "self") -> int | None:
     """A process's own high-water RSS (VmHWM), None where /proc is not there. Not getrusage's
     ru_maxrss: Linux carries a parent's peak across fork and exec into its children."""
-    from ..memory import proc_kib
+    from ..memory import proc_kib  # imports torch: not at start-up
 
     return proc_kib(f"/proc/{pid}/status", "VmHWM")
 

@@ -23,6 +23,8 @@ from .report import (
     status_text,
 )
 from .run import BenchResult
+from .serving import report as serving_report
+from .serving.result import ServingResult
 
 BAR_H, GAP, LABEL_W, CHART_W, VALUE_W = 22, 6, 250, 560, 120
 STYLE = """
@@ -155,12 +157,10 @@ def _memory_source(rs: list[dict]) -> str:
     return ", ".join(sources) or "not measured"
 
 
-def render_serving(result: dict) -> str:
+def render_serving(result: ServingResult) -> str:
     """The serving bench as a page: a chart per headline metric and the table of every number."""
-    from . import serving
-
-    rows_ = [{**r, "status": "ok" if not r["failed"] else "failed", "stack": "Serving many requests",
-              "linnet": r["target"] != "url", "key": r["target"]} for r in result["targets"]]
+    rows_ = [{**r.to_json(), "status": "ok" if not r.failed else "failed", "stack": "Serving many requests",
+              "linnet": r.target != "url", "key": r.target} for r in result.targets]
     metrics = (Metric("output_tok_s", "Serving throughput", "tok/s", True),
                Metric("ttft_ms_median", "Time to first token, median", "ms", False),
                Metric("itl_ms_median", "Inter-token latency, median", "ms", False),
@@ -168,15 +168,15 @@ def render_serving(result: dict) -> str:
     charts = "".join(f"<h2>{escape(m.title)}</h2><p class=\"sub\">{escape(m.unit)}, "
                      f"{'higher' if m.higher_is_better else 'lower'} is better; the best bar is red.</p>{chart(rows_, m)}"
                      for m in metrics)
-    head = "<tr><th>target</th>" + "".join(f"<th>{escape(c[0])}</th>" for c in serving.COLUMNS) + "</tr>"
-    body = "".join("<tr><td>" + escape(r["label"]) + "</td>" +
-                   "".join(f"<td>{escape(serving.cell(r, k, f))}</td>" for _, k, f in serving.COLUMNS) + "</tr>"
-                   for r in result["targets"])
+    head = "<tr><th>target</th>" + "".join(f"<th>{escape(c[0])}</th>" for c in serving_report.COLUMNS) + "</tr>"
+    body = "".join("<tr><td>" + escape(r.label) + "</td>" +
+                   "".join(f"<td>{escape(serving_report.cell(r, k, f))}</td>" for _, k, f in serving_report.COLUMNS)
+                   + "</tr>" for r in result.targets)
     return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>Linnet serving bench · {escape(result['model'])}</title>
+<html lang="en"><head><meta charset="utf-8"><title>Linnet serving bench · {escape(result.model)}</title>
 <style>{STYLE}</style></head><body>
-<p class="sub">Linnet serving bench</p><h1>{escape(result['model'].rstrip('/').split('/')[-1])}</h1>
-<p class="sub">{escape(serving.header(result))} · measured {escape(result['environment']['date'])}</p>
-<p class="env">{escape(describe(result['environment']))}</p>
+<p class="sub">Linnet serving bench</p><h1>{escape(result.model.rstrip('/').split('/')[-1])}</h1>
+<p class="sub">{escape(serving_report.header(result))} · measured {escape(result.environment['date'])}</p>
+<p class="env">{escape(describe(result.environment))}</p>
 {charts}<h2>Every number</h2><table>{head}{body}</table></body></html>
 """

@@ -26,11 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..compile import Model, compile_model, open_model, pick_dtype
 from ..backends import get_backend
 from ..backends.artifact import WEIGHTS_FILE
+from ..compile import Model, compile_model, open_model, pick_dtype
 from ..dtypes import FORMATS
 from ..errors import CacheError, InputError, LinnetError
+from ..export.gguf_export import export_gguf
+from ..export.hf_export import export_hf
 from ..memory import check_fits
 from ..weights import drop_cached
 from .machine import decode_bytes_per_step, environment, stream_bandwidth
@@ -223,7 +225,6 @@ def gguf_for_llama_cpp(m: Model, dtype: str, out: Path, progress) -> tuple[Path,
             raise InputError(f"llama.cpp runs the file as it is stored ({m.spec.dtype}); bench --dtype {m.spec.dtype} "
                              "to put it beside Linnet")
         return Path(m.path), None
-    from ..export.gguf_export import export_gguf
 
     progress("exporting GGUF for llama.cpp")
     return out, export_gguf(m, out, FORMATS[dtype].gguf, force=True, check=False).seconds
@@ -241,7 +242,6 @@ def _prepare(side: Side, m: Model, dtype: str, method: Method, workdir: Path, re
         return {"backend": s.backend}
     if s.key in ("transformers", "transformers-compiled") and m.is_gguf:
         # transformers reads a GGUF's config only in part (not a head_dim apart from hidden / heads): it loads Linnet's export
-        from ..export.hf_export import export_hf
 
         out = workdir / "hf-reference"
         if not out.exists():
@@ -253,8 +253,6 @@ def _prepare(side: Side, m: Model, dtype: str, method: Method, workdir: Path, re
         _read_afresh(gguf)
         return {"gguf": str(gguf)}
     if s.key in ("vllm", "sglang"):
-        from ..export.hf_export import export_hf
-
         out = workdir / "hf"
         if not out.exists():
             reporter.stage("exporting a Hugging Face checkpoint")

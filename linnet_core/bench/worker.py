@@ -19,6 +19,11 @@ import time
 
 import numpy as np
 
+from ..check.reference import as_quantized
+from ..dtypes import FORMATS, torch_dtype
+from ..gguf.llama_open import open_llama
+from .machine import peak_rss
+
 # Keep stdout for the protocol: library chatter goes to stderr.
 _protocol = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(2, 1)
@@ -58,8 +63,6 @@ class MemoryWatch:
 
     @staticmethod
     def peak_rss() -> int:
-        from .machine import peak_rss
-
         peak = peak_rss()
         if peak is not None:
             return peak
@@ -81,7 +84,7 @@ class MemoryWatch:
 
 class LinnetRunner:
     def __init__(self, cfg: dict):
-        from ..compile import load_model
+        from ..compile import load_model  # imports torch: not at start-up
 
         self.batch = cfg["batch"]
         self.session, compiled = load_model(cfg["model"], cfg["backend"], cfg["dtype"], cfg["positions"],
@@ -118,12 +121,10 @@ class TransformersRunner:
         logging.set_verbosity_error()
         logging.disable_progress_bar()
         self.torch, self.device, self.batch = torch, cfg["device"], cfg["batch"]
-        from ..dtypes import FORMATS, torch_dtype
 
         self.model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch_dtype(cfg["dtype"])).eval()
         if FORMATS[cfg["dtype"]].quantized:  # float32 over the dequantized blocks: distances are kernels' alone
-            from ..compile import open_model
-            from ..reference import as_quantized
+            from ..compile import open_model  # imports torch: not at start-up
 
             as_quantized(self.model, open_model(cfg["model"]).spec, cfg["dtype"])
         self.model.to(self.device)
@@ -180,8 +181,6 @@ class TransformersRunner:
 
 class LlamaCppRunner:
     def __init__(self, cfg: dict):
-        from ..llama_open import open_llama
-
         # The thread count comes from the parent: importing PyTorch here only for it would add its
         # ~0.2 GiB to llama.cpp's peak memory.
         self.path, self.positions = cfg["gguf"], cfg["positions"]
@@ -205,8 +204,6 @@ class LlamaCppRunner:
         return ttft, (new - 1) / (time.perf_counter() - t1)
 
     def logits(self, prompt: list[int]) -> np.ndarray:
-        from ..llama_open import open_llama
-
         # The timed model keeps no logits (llama-cpp-python stores them only with logits_all).
         llm = open_llama(model_path=self.path, n_ctx=self.positions, n_batch=512, logits_all=True, verbose=False,
                          n_gpu_layers=self.llm.model_params.n_gpu_layers)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputError
+from ..gguf.tokenizer import write_tokenizer_files
 
 # Files beside the weights that a consumer needs to tokenize and chat.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -94,8 +95,6 @@ def output_file(out: Path, force: bool = False):
 def copy_tokenizer(src: Path, dst: Path) -> None:
     """The checkpoint's tokenizer files into `dst`; a GGUF source's tokenizer written out as files."""
     if src.is_file():
-        from ..gguf_tokenizer import write_tokenizer_files
-
         write_tokenizer_files(src, dst)
         return
     for name in TOKENIZER_FILES:

@@ -15,9 +15,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..check.roundtrip import check_gguf, require_gguf_consumer
 from ..compile import Model, open_model
 from ..dtypes import FORMATS, normalize_format
 from ..errors import BackendUnavailable, InputError
+from ..gguf.reader import read_gguf
+from ..gguf.vocab import GgufVocab, read_vocab, vocab_from_gguf
 from ..ir.rope import inv_freq
 from ..models import GgufLayout, build_graph, gguf_layout
 from ..models.spec import ModelSpec
@@ -26,7 +29,6 @@ from ..quant import param_formats, quantize
 from ..tokenizer import Tokenizer, read_chat_template
 from ..weights import Checkpoint
 from . import ExportResult, output_file, summarize
-from .gguf_vocab import GgufVocab, read_vocab, vocab_from_gguf
 
 GGUF_FORMATS = ("float32", "float16", "bfloat16", "q8_0", "q4_0")  # the storage formats this export writes
 GGUF_DTYPES = tuple(FORMATS[f].gguf for f in GGUF_FORMATS)  # as llama.cpp names them: f32 ... q8_0
@@ -223,7 +225,6 @@ def write_gguf(model: Model, path: Path, dtype: str, progress: Callable[[str], N
     layout = gguf_layout(spec)
     name = model.resolved.name.rstrip("/").split("/")[-1]
     if model.is_gguf:  # another format of a GGUF model: its vocabulary and tokenizer keys as they are
-        from .gguf_read import read_gguf
 
         with read_gguf(model.path) as source:
             meta = source.metadata
@@ -257,9 +258,6 @@ def export_gguf(model: str | Path | Model | None, out: Path, dtype: str = "auto"
                 on_check=None) -> ExportResult:
     """Write `out` (one .gguf file); with `check`, load it back in llama.cpp (or transformers)
     before it appears under its name. A failed check leaves nothing at `out`."""
-    from .gguf_read import read_gguf
-    from .roundtrip import check_gguf, require_gguf_consumer
-
     started = time.perf_counter()
     m = model if isinstance(model, Model) else open_model(model, revision)
     dt = pick_gguf_dtype(dtype, m.spec)

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import torch
 
+from ..check.roundtrip import check_hf
 from ..compile import Model, open_model, pick_dtype
-from ..models import build_graph, hf_architecture
-from ..models.spec import ModelSpec
 from ..dtypes import FORMATS, torch_dtype
 from ..errors import InputError, UnsupportedModel
+from ..models import build_graph, hf_architecture
+from ..models.spec import ModelSpec
 from ..params import layout, materialize, release_sources
 from ..units import parse_size
 from ..weights import write_safetensors
@@ -157,8 +158,6 @@ def export_hf(model: str | Path | Model | None, out: Path, dtype: str = "auto", 
         copy_tokenizer(m.path, tmp)
         (tmp / "generation_config.json").write_text(json.dumps(generation_config(m.path, m.spec), indent=2) + "\n")
         if check:
-            from .roundtrip import check_hf
-
             report = check_hf(m, tmp, dt)
             if on_check:
                 on_check(report)

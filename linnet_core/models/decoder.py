@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..errors import IRError
-from ..ir.graph import CacheLayout, Graph, GraphBuilder, LayerAttr
+from ..ir.builder import GraphBuilder
+from ..ir.graph import CacheLayout, Graph, LayerAttr
 from .spec import ModelSpec
+
 
 @dataclass(frozen=True)
 class GgufLayout:

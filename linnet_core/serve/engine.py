@@ -36,12 +36,12 @@ from ..runtime.sampling import Sampler, SamplingParams
 from ..runtime.session import Chunk, Session
 from ..runtime.threads import release_openmp_pool
 from ..tokenizer import IncrementalDecoder, Tokenizer
+from .config import BURST_WAIT_CAP, BURST_WAIT_MS, DECODE_STALL, ServeConfig
 from .metrics import EngineMetrics, Histogram
 from .prefix_cache import PrefixCache
 from .step_budget import StepBudget
 
 log = logging.getLogger("linnet.serve")
-DECODE_STALL = 2.0  # a step with prompt work takes at most this many decode-only steps' time (measured)
 PROBE_EVERY_S = 0.05  # how often a watched request's client is asked whether it has gone (an IPC for Triton)
 
 
@@ -182,9 +182,8 @@ class Handle:
 
 
 # With no row decoding: (seconds without a new arrival that end the wait for a burst of requests, the
-# longest the first one waits for the rest); 0 = no wait. A client's next requests after a batch ended
-# came within 5-16 ms of each other over HTTP on 2 cores.
-BURST_WAIT = (0.02, 0.05)
+# longest the first one waits for the rest); 0 = no wait (config.py says why these).
+BURST_WAIT = (BURST_WAIT_MS / 1000, BURST_WAIT_CAP * BURST_WAIT_MS / 1000)
 
 
 class _Active:
@@ -224,6 +223,12 @@ class Engine:
         self._stopping = self._abort = False
         self.failure: str | None = None  # why the engine stopped serving, once a fault broke it
         self.metrics = EngineMetrics()
+
+    @classmethod
+    def from_config(cls, session: Session, tokenizer: Tokenizer | None, config: ServeConfig,
+                    eos_ids: set[int] | None = None) -> Engine:
+        """The engine as `config` schedules it (its rows and cache length are the session's)."""
+        return cls(session, tokenizer, eos_ids, **config.engine_options())
 
     @property
     def stopping(self) -> bool:

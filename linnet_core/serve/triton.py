@@ -3,13 +3,17 @@ same engine as `linnet serve` (decoupled, with the vLLM Triton backend's inputs 
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ..compile import Model, open_model, pick_cache_len, pick_dtype
 from ..errors import InputError
 from ..export import ExportResult, output_folder, summarize
+from . import free_port
+from .config import ServeConfig
 
 CONFIG = """name: "{name}"
 backend: "python"
@@ -27,36 +31,33 @@ output [
 ]
 instance_group [ {{ count: 1, kind: KIND_CPU }} ]
 parameters [
-  {{ key: "linnet_model", value: {{ string_value: "{model}" }} }},
-  {{ key: "linnet_backend", value: {{ string_value: "{backend}" }} }},
-  {{ key: "linnet_dtype", value: {{ string_value: "{dtype}" }} }},
-  {{ key: "linnet_rows", value: {{ string_value: "{rows}" }} }},
-  {{ key: "linnet_cache_len", value: {{ string_value: "{cache_len}" }} }}{env}
+{parameters}
 ]
 """
-ENV = ',\n  { key: "EXECUTION_ENV_PATH", value: { string_value: "%s" } }'
+PARAMETER = '  {{ key: {key}, value: {{ string_value: {value} }} }}'
 
 
-def export_triton(model: str | Path | Model | None, out: Path, backend: str = "torch", dtype: str = "auto",
-                  rows: int = 8, cache_len: int | None = None, name: str | None = None, env: Path | None = None,
-                  force: bool = False) -> ExportResult:
-    """Write OUT/<name>/config.pbtxt and OUT/<name>/1/model.py. `env` is the Python environment Triton
-    runs the model in (linnet installed, and numpy < 2 for the python backend's stub)."""
+def export_triton(model: str | Path | Model | None, out: Path, config: ServeConfig = ServeConfig(),
+                  name: str | None = None, env: Path | None = None, force: bool = False) -> ExportResult:
+    """Write OUT/<name>/config.pbtxt and OUT/<name>/1/model.py: the model and every engine setting of
+    `config` as `linnet_*` parameters (edit them there; the model reads them at load). `env` is the
+    Python environment Triton runs the model in (linnet installed, and numpy < 2 for the python
+    backend's stub)."""
     started = time.perf_counter()
     m = model if isinstance(model, Model) else open_model(model)
-    dt = pick_dtype(dtype, m.spec)
-    n = pick_cache_len(cache_len, m.spec)
+    config = replace(config, model=str(m.path.resolve()), dtype=pick_dtype(config.dtype, m.spec),
+                     cache_len=pick_cache_len(config.cache_len, m.spec))
     name = name or "".join(c if c.isalnum() or c in "-_" else "_" for c in m.path.name)
-    if rows < 1:
-        raise InputError(f"--rows must be at least 1, got {rows}")
     if env is not None and not (Path(env) / "bin" / "python").exists() and not str(env).endswith(".tar.gz"):
         raise InputError(f"{env} is not a Python environment (no bin/python) nor a conda-pack archive")
+    parameters = config.to_parameters()
+    if env is not None:
+        parameters["EXECUTION_ENV_PATH"] = str(Path(env).resolve())
     with output_folder(Path(out), force) as tmp:
         (tmp / name / "1").mkdir(parents=True)
         shutil.copy2(Path(__file__).with_name("triton_model.py"), tmp / name / "1" / "model.py")
-        (tmp / name / "config.pbtxt").write_text(CONFIG.format(
-            name=name, model=str(m.path.resolve()), backend=backend, dtype=dt, rows=rows, cache_len=n,
-            env=ENV % Path(env).resolve() if env else ""))
+        (tmp / name / "config.pbtxt").write_text(CONFIG.format(name=name, parameters=",\n".join(
+            PARAMETER.format(key=json.dumps(k), value=json.dumps(v)) for k, v in parameters.items())))
     return summarize(Path(out), started)
 
 
@@ -105,8 +106,6 @@ def launch_local_triton(repo: Path, server: Path, port: int, log: Path, timeout:
     import subprocess
 
     import httpx
-
-    from . import free_port
 
     env = {**os.environ, "LD_LIBRARY_PATH": str(server.parent.parent / "nvidia_pytriton.libs")}
     with open(log, "w") as out:

@@ -6,7 +6,8 @@ request to the engine and returns at once; the engine's deltas go through a queu
 thread, which sends them (every delta when streaming, the whole text at the end otherwise) and
 cancels a request whose client has gone (`response_sender.is_cancelled()`; the engine asks it too
 while the request waits for a row, so a cancelled request is dropped before its prefill). The
-sampling parameters are read by the same code as `linnet serve`'s (serve/fields.py). `is_ready` is
+sampling parameters are read by the same code as `linnet serve`'s (serve/fields.py), and the engine is
+configured by the same ServeConfig, from config.pbtxt's `linnet_*` parameters. `is_ready` is
 the engine's health: Triton's model readiness turns false once a fault has stopped the engine
 (python backends from 26.03 ask it; older ones report the stub's liveness only).
 """
@@ -20,28 +21,26 @@ import threading
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from linnet_core.errors import InputError
+from linnet_core.serve.config import ServeConfig
+
 _DONE = object()
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        from linnet_core.compile import load_model
-        from linnet_core.errors import CheckpointError
-        from linnet_core.serve.engine import Engine
-        from linnet_core.serve.fields import prompt_char_limit
-        from linnet_core.tokenizer import Tokenizer
+        from linnet_core.serve.fields import prompt_char_limit  # imports torch: not at start-up
+        from linnet_core.serve.launch import launch  # imports torch: not at start-up
 
-        config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        session, compiled = load_model(params["linnet_model"], params.get("linnet_backend", "torch"),
-                                       params.get("linnet_dtype", "auto"), int(params.get("linnet_cache_len", 0)) or None,
-                                       rows=int(params.get("linnet_rows", 8)))
-        try:
-            self.tokenizer = Tokenizer(compiled.model.path)
-        except CheckpointError:
-            self.tokenizer = None
-        self.engine = Engine(session, self.tokenizer).start()
-        self.max_prompt_chars = prompt_char_limit(session.cache_len)
+        model_config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+        config = ServeConfig.from_parameters(params)  # every engine setting, as `linnet serve` takes it
+        if config.model is None:
+            raise InputError("config.pbtxt has no 'linnet_model' parameter (linnet export triton writes one)")
+        served = launch(config)
+        self.tokenizer = served.tokenizer
+        self.engine = served.engine.start()
+        self.max_prompt_chars = prompt_char_limit(served.session.cache_len)
         self.responses: queue.Queue = queue.Queue()
         self.live: dict[int, tuple] = {}  # handle id -> (handle, sender, stream, collected text)
         self.thread = threading.Thread(target=self._respond, name="linnet-triton-responses", daemon=True)
@@ -51,8 +50,7 @@ class TritonPythonModel:
         return self.engine.healthy and not self.engine.stopping
 
     def execute(self, requests):
-        from linnet_core.errors import InputError
-        from linnet_core.serve.fields import generation_request, parse_json
+        from linnet_core.serve.fields import generation_request, parse_json  # imports torch: not at start-up
 
         for request in requests:
             sender = request.get_response_sender()
@@ -122,8 +120,6 @@ _REQUIRED = object()
 
 
 def _first(request, name: str, default=_REQUIRED):
-    from linnet_core.errors import InputError
-
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     if tensor is None:
         if default is _REQUIRED:

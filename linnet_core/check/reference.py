@@ -7,7 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import BackendUnavailable
+from ..dtypes import FORMATS
+from ..errors import BackendUnavailable
+from ..models import build_graph
 
 
 @dataclass
@@ -67,7 +69,7 @@ def reference_dtype(spec, dtype: str) -> str:
     precision, so a 7B model in bfloat16 is checked on a 24 GiB machine. (While converting a
     half-precision checkpoint, the mapped file's pages count in its RSS too, 22.9 GiB for
     Qwen3-4B; they are clean page cache the kernel reclaims, so only the float32 copy must fit.)"""
-    from .memory import GIB, available_bytes, weight_bytes
+    from ..memory import GIB, available_bytes, weight_bytes  # imports torch: not at start-up
 
     free = available_bytes()
     if free is None or weight_bytes(spec, "float32") + GIB < free:
@@ -82,9 +84,7 @@ def as_quantized(model, spec, fmt: str, activations: str = "float32") -> None:
     weights also round their inputs to int8 blocks first, as kernels that compute so do."""
     import torch
 
-    from .dtypes import FORMATS
-    from .models import build_graph
-    from .quant import dequantize, int8_blocks, param_formats, quantize
+    from ..quant import dequantize, int8_blocks, param_formats, quantize  # imports torch: not at start-up
 
     graph = build_graph(spec)
     formats = param_formats(graph, fmt)

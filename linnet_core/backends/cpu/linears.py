@@ -1,6 +1,5 @@
-"""CPU kernels behind a session's weights: oneDNN pre-packed linear weights, Linnet's own decode
-kernels (16-bit GEMV, float16 weights repacked for it, attention), its block-quantized linears and
-token tables, and the kernels of the small ops between matmuls (StepKernels).
+"""CPU kernels behind a session's linear weights: oneDNN pre-packed weights, Linnet's own 16-bit
+GEMV and float16 weights repacked for it, its block-quantized linears and token tables.
 
 Decode is a chain of matrix-vector products bound by memory bandwidth. On this machine class
 F.linear (MKL) streams float32 weights at ~21 GB/s, while oneDNN's kernel over weights reordered
@@ -16,15 +15,15 @@ import os
 import threading
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..dtypes import FORMATS
-from ..quant import BLOCK
-from . import decode_kernels
+from ...dtypes import FORMATS
+from ...quant import BLOCK
+from . import extension
+from .build import QUANT_CODES
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,19 +54,19 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 _NO_TENSOR = torch.empty(0)
 _active = threading.local()  # the kernels of the session whose compiled step runs in this thread
 
-# kernels/ops.cpp's kinds
+# csrc/ops.cpp's kinds
 NATIVE_NONE, NATIVE_BF16, NATIVE_BLOCKS, NATIVE_TABLE, NATIVE_F16, NATIVE_F16_PACKED = 0, 1, 2, 3, 4, 5
 
 
 class Kernels(list):
     """A session's CPU kernels in handle order. Those of Linnet's own (bf16 GEMV, blocks) are also
-    registered once with the C++ operators (kernels/ops.cpp) that compiled steps call."""
+    registered once with the C++ operators (csrc/ops.cpp) that compiled steps call."""
 
     def __init__(self, kernels: list):
         super().__init__(kernels)
         self.native_id = 0  # the C++ side's id of this session's kernels; 0: none registered
         natives = [k.native() for k in kernels]
-        ext = decode_kernels.extension()
+        ext = extension.extension()
         if ext is not None and any(kind != NATIVE_NONE for kind, _, _ in natives):
             self.native_id = ext.register_kernels(natives)
             weakref.finalize(self, ext.release_kernels, self.native_id)
@@ -78,7 +77,7 @@ def active(kernels: Kernels):
     """Make `kernels` the ones handles refer to (Python's ops and the C++ ones), while a compiled step runs."""
     previous = getattr(_active, "kernels", None)
     _active.kernels = kernels
-    ext = decode_kernels.extension() if kernels.native_id else None
+    ext = extension.extension() if kernels.native_id else None
     native_before = ext.activate(kernels.native_id) if ext is not None else None
     try:
         yield
@@ -91,7 +90,7 @@ def active(kernels: Kernels):
 @torch.library.custom_op("linnet::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, handle: int, out_features: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x @ W.T (+ bias) through the CPU kernel number `handle` of the running session: oneDNN's
-    packed weights (Linnet's own kernels are C++ operators, kernels/ops.cpp, called in ~5 us where
+    packed weights (Linnet's own kernels are C++ operators, csrc/ops.cpp, called in ~5 us where
     this Python op costs ~25 inside a compiled step).
 
     A custom op, so torch.compile sees one opaque call (shape from the fake below) and keeps the
@@ -124,10 +123,10 @@ class CpuLinear:
     def eager(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
-    native_kind = NATIVE_NONE  # kernels/ops.cpp's kind; NATIVE_NONE: a Python-side kernel
+    native_kind = NATIVE_NONE  # csrc/ops.cpp's kind; NATIVE_NONE: a Python-side kernel
 
     def native(self) -> tuple[int, torch.Tensor, int]:
-        """(kind, weight, format code) for kernels/ops.cpp."""
+        """(kind, weight, format code) for csrc/ops.cpp."""
         return NATIVE_NONE, _NO_TENSOR, 0
 
 
@@ -151,7 +150,7 @@ class DecodeLinear(CpuLinear):
         self.weight = weight
 
     def eager(self, x, bias):
-        return decode_kernels.decode_linear(x, self.weight, bias)
+        return extension.decode_linear(x, self.weight, bias)
 
     native_kind = NATIVE_BF16
 
@@ -167,7 +166,7 @@ class HalfLinear(DecodeLinear):
     native_kind = NATIVE_F16
 
     def eager(self, x, bias):
-        y = decode_kernels.extension().half_linear(x, self.weight)
+        y = extension.extension().half_linear(x, self.weight)
         return y if bias is None else y + bias
 
 
@@ -178,10 +177,10 @@ class PackedHalfLinear(CpuLinear):
 
     def __init__(self, weight: torch.Tensor, handle: int):
         super().__init__(weight, handle)
-        self.packed = decode_kernels.extension().repack_f16_rows8(weight)
+        self.packed = extension.extension().repack_f16_rows8(weight)
 
     def eager(self, x, bias):
-        y = decode_kernels.extension().packed_half_linear(x, self.packed, self.out_features)
+        y = extension.extension().packed_half_linear(x, self.packed, self.out_features)
         return y if bias is None else y + bias
 
     native_kind = NATIVE_F16_PACKED
@@ -196,15 +195,15 @@ class QuantLinear(CpuLinear):
 
     def __init__(self, blocks: torch.Tensor, handle: int, fmt: str):
         self.out_features, self.handle = blocks.shape[0], handle
-        self.packed, self.fmt = decode_kernels.repack(blocks, fmt), fmt
+        self.packed, self.fmt = extension.repack(blocks, fmt), fmt
 
     def eager(self, x, bias):
-        return decode_kernels.quant_linear(x, self.packed, self.fmt, self.out_features, bias)
+        return extension.quant_linear(x, self.packed, self.fmt, self.out_features, bias)
 
     native_kind = NATIVE_BLOCKS
 
     def native(self):
-        return self.native_kind, self.packed, decode_kernels.QUANT_CODES[self.fmt]
+        return self.native_kind, self.packed, QUANT_CODES[self.fmt]
 
 
 class QuantTable:
@@ -216,21 +215,21 @@ class QuantTable:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] -> float32 rows [..., width] (exactly quant.dequantize's)."""
-        if torch.compiler.is_compiling():  # kernels/ops.cpp's operator
+        if torch.compiler.is_compiling():  # csrc/ops.cpp's operator
             return torch.ops.linnet_kernels.embedding(ids, self.handle, self.width)
-        return decode_kernels.extension().dequant_rows(self.blocks, ids, decode_kernels.QUANT_CODES[self.fmt])
+        return extension.extension().dequant_rows(self.blocks, ids, QUANT_CODES[self.fmt])
 
     def native(self):
-        return NATIVE_TABLE, self.blocks, decode_kernels.QUANT_CODES[self.fmt]
+        return NATIVE_TABLE, self.blocks, QUANT_CODES[self.fmt]
 
 
 def linear_kernel(dtype: torch.dtype) -> type[CpuLinear] | None:
     """The kernel class for linear weights of `dtype` on this CPU: Linnet's own (bf16 GEMV, float16
     GEMV and tiled GEMM) where they build and run, else oneDNN's packed weights where
     they run, else none (F.linear)."""
-    if dtype == torch.bfloat16 and decode_kernels.extension() is not None:
+    if dtype == torch.bfloat16 and extension.extension() is not None:
         return DecodeLinear
-    if dtype == torch.float16 and decode_kernels.extension() is not None:
+    if dtype == torch.float16 and extension.extension() is not None:
         return HalfLinear
     return PackedLinear if packing_works(dtype) else None
 
@@ -267,53 +266,3 @@ def pack_linear_weights(weights: dict, names: dict[str, list[str]], pack: bool =
                 continue
             kernels.append(group[name])
     return Kernels(kernels)
-
-
-class DecodeAttention:
-    """Attention of one-token queries straight over the KV cache (decode_kernels); the generated
-    step's `attend` calls it for decode (a StepKernels field)."""
-
-    def __init__(self, ext):
-        self.ext = ext
-
-    def __call__(self, q, pos, slots, k_cache, v_cache, layer: int, window: int | None, scale: float):
-        """q [B, H, D] at positions pos [B] of cache rows slots [B] -> [B, H, D]."""
-        if torch.compiler.is_compiling():  # kernels/ops.cpp's operator
-            return torch.ops.linnet_kernels.decode_attention(q, k_cache, v_cache, layer, slots, pos, window or 0, scale)
-        return self.ext.decode_attention(q.contiguous(), k_cache, v_cache, layer, slots, pos, window or 0, scale)
-
-
-@dataclass(frozen=True)
-class StepKernels:
-    """Linnet's C++ kernels for the ops between a CPU step's matmuls, handed to the generated step as
-    weights["global"]["step_kernels"]; its helpers call the ones that are not None."""
-
-    decode_attention: Optional[Callable] = None  # one-token queries over the KV cache in place
-    rms_norm: Optional[Callable] = None  # eager steps only: a compiled step fuses these itself
-    rope: Optional[Callable] = None
-    write_cache: Optional[Callable] = None
-    argmax: Optional[Callable] = None  # ATen's reads 16-bit logits one at a time
-    silu: Optional[Callable] = None  # ATen's 16-bit silu: 8-9 us for Qwen3-4B's 9728 values, this one ~5
-    # the eager step's fused groups (torch_groups): one call where the emitted lines were 2-15
-    silu_mul: Optional[Callable] = None
-    add_rms_norm: Optional[Callable] = None
-    attention_block: Optional[Callable] = None  # decode steps: needs decode_attention
-
-
-def add_step_kernels(weights: dict, dtype: torch.dtype, head_dim: int, eager: bool) -> StepKernels | None:
-    """Hand a CPU step the kernels that run here for these caches (for an `eager` step, also its
-    norms, rope, cache writes, activation and greedy pick: one call each where the emitted ops are
-    3-8, or slow); the kernels, or None."""
-    ext = decode_kernels.extension()
-    if ext is None:
-        return None
-    attention = DecodeAttention(ext) if decode_kernels.attention_fits(dtype, head_dim) else None
-    small = dict(rms_norm=ext.rms_norm, rope=ext.rope, write_cache=ext.write_cache, argmax=ext.argmax,
-                 silu=ext.silu, silu_mul=ext.silu_mul, add_rms_norm=ext.add_rms_norm) if eager else {}
-    if eager and attention is not None:
-        small["attention_block"] = ext.attention_block
-    if attention is None and not small:
-        return None
-    kernels = StepKernels(decode_attention=attention, **small)
-    weights["global"]["step_kernels"] = kernels
-    return kernels

@@ -16,21 +16,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .backends import get_backend
-from .compile import Model, compile_model, load_model, open_model
-from .errors import CheckpointError, InputError
-from .memory import check_fits
-from .dtypes import FORMATS
-from .quant_effect import measure, text_ids
+from ..backends import get_backend
+from ..compile import Model, compile_model, load_model, open_model
+from ..dtypes import FORMATS
+from ..errors import InputError
+from ..gguf.llamacpp_reference import run_llamacpp
+from ..memory import check_fits
+from .agreement import compare_logits, tolerance_for
+from .prompts import prompt_ids, text_ids
+from .quant_effect import measure
 from .reference import as_quantized, load_reference, reference_dtype, run_reference
-from .tokenizer import Tokenizer
-
-# Times max(1, max |reference logit|). "int8": activations quantized to int8 per block of 32 before
-# each matmul (ONNX Runtime's MatMulNBits, llama.cpp's q8_0 dot products): 8 bits, as bfloat16's.
-# "int8/256": llama.cpp's K-quant dot products round activations to int8 blocks of 256 (Q8_K), a
-# coarser scale than 32's.
-TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2, "int8": 5e-2, "int8/256": 1e-1}
-DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Python's documentation says that"
 
 
 @dataclass
@@ -57,43 +52,8 @@ class VerifyReport:
         return asdict(self)
 
 
-def compare_logits(logits: np.ndarray, reference: np.ndarray, dtype: str) -> tuple[float, float, float]:
-    """(distance, tolerance, top-1 agreement) of logits [N, V] against the reference's [N, V]."""
-    distance = float(np.abs(logits - reference).max())
-    top1 = float((logits.argmax(-1) == reference.argmax(-1)).mean())
-    return distance, tolerance_for(reference, dtype), top1
-
-
-def tolerance_for(reference: np.ndarray, dtype: str) -> float:
-    """The dtype's rounding error at the size of the reference logits."""
-    return TOLERANCE[dtype] * max(1.0, float(np.abs(reference).max()))
-
-
-def has_tokenizer(folder: Path) -> bool:
-    """A checkpoint folder with tokenizer files, or a GGUF (which carries its vocabulary)."""
-    return folder.is_file() or (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file()
-
-
 # What llama.cpp's CPU dot products round activations to, by the type of the GGUF's matrices.
 LLAMACPP_ACTIVATIONS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "int8", "Q4_0": "int8"}
-
-
-def prompt_ids(model: Model, prompt: str | None) -> list[int]:
-    """The prompt's ids; a broken tokenizer, or ids the model has no embedding for, are errors."""
-    if not has_tokenizer(model.path):
-        if prompt:
-            raise InputError(f"{model.path} has no tokenizer, so a text prompt cannot be encoded")
-        # Without a tokenizer, a fixed spread of ids in the vocabulary stands in for text.
-        return [(17 * i + 3) % model.spec.vocab_size for i in range(12)]
-    ids = Tokenizer(model.path).encode(prompt or DEFAULT_PROMPT)  # CheckpointError names a broken file
-    outside = sorted({i for i in ids if not 0 <= i < model.spec.vocab_size})
-    if outside:
-        raise CheckpointError(
-            f"{model.path}: the tokenizer gives ids {', '.join(map(str, outside[:5]))} that the model's vocabulary "
-            f"of {model.spec.vocab_size} does not have",
-            hint="the tokenizer and the weights do not belong together; pass --prompt text the model can take",
-        )
-    return ids
 
 
 def _transformers_reference(m: Model, ids: list[int], steps: int, compiled, activations: str, reference):
@@ -138,8 +98,6 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
     # model as big as memory allows is never held twice.
     original = effect_text = None
     if m.is_gguf:  # the file's own engine is its reference: llama.cpp on the same bytes
-        from .llamacpp_ref import run_llamacpp
-
         ref = run_llamacpp(m.path, ids, steps)
         weights = m.config.get("gguf_weights", "F32")
         ref_dtype = f"llama.cpp ({weights} weights)"

@@ -16,13 +16,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..compile import Model
+from ..compile import Model, load_model
 from ..dtypes import FORMATS, normalize_dtype, normalize_format
 from ..errors import BackendUnavailable, CheckpointError, InputError, VerifyFailed
-from ..reference import ReferenceRun, quiet_transformers, reference_dtype, reference_run, run_reference
+from ..gguf.llamacpp_reference import LlamaCppRefused, llamacpp, native_stderr_kept, run_llamacpp
+from ..gguf.reader import read_gguf
 from ..tokenizer import Tokenizer
-from ..verify import TOLERANCE, compare_logits, prompt_ids, tolerance_for
-from .gguf_read import read_gguf
+from .agreement import compare_logits, decisive_agreement
+from .prompts import prompt_ids
+from .reference import ReferenceRun, quiet_transformers, reference_dtype, reference_run, run_reference
 
 # Spaces, digits, punctuation, a newline, a tab and characters a small vocabulary lacks (byte fallback).
 SAMPLE_TEXT = 'Hello world! The list object, 123 + 4567 = "x".\n  Indented\tline: naïve café, 東京.'
@@ -86,18 +88,6 @@ def _judge(fmt: str, consumer: str, dtype: str, ids, ref, logits: np.ndarray, st
                      tokenizer_match, bool(passed and tokenizer_match is not False))
 
 
-def decisive_agreement(logits: np.ndarray, reference: np.ndarray, dtype: str) -> float:
-    """Top-1 agreement over the positions where the reference's first choice leads its second by
-    more than the dtype's rounding error (verify's tolerance): where it does not, the reference
-    itself could have picked either, and agreeing there says nothing (random weights give many)."""
-    noise = tolerance_for(reference, dtype if dtype in TOLERANCE else "bfloat16")
-    top2 = np.sort(reference, axis=-1)[:, -2:]  # [N, 2]
-    decisive = top2[:, 1] - top2[:, 0] > noise
-    if not decisive.any():
-        decisive[:] = True  # nothing stands out: every position counts
-    return float((logits[decisive].argmax(-1) == reference[decisive].argmax(-1)).mean())
-
-
 def _version(dist: str) -> str:
     try:
         return importlib.metadata.version(dist)
@@ -122,8 +112,6 @@ def check_hf(model: Model, folder: Path, dtype: str) -> RoundTrip:
     ids = prompt_ids(model, None)
     ref_dtype = reference_dtype(model.spec, dtype)  # float32 unless too big: then both sides in `dtype`
     if model.is_gguf:
-        from ..llamacpp_ref import run_llamacpp
-
         ref = run_llamacpp(model.path, ids, HF_STEPS)
     else:
         ref = reference_run(model.path, ids, HF_STEPS, ref_dtype)
@@ -198,8 +186,6 @@ def check_gguf(model: Model, file: Path, dtype: str, consumer: str | None = None
 def _linnet_reference(model: Model, ids: list[int], steps: int, fmt: str) -> ReferenceRun:
     """Linnet's generated PyTorch over `model` in `fmt` (the blocks an export of that format holds):
     a GGUF model has no transformers checkpoint to be the reference."""
-    from ..compile import load_model
-
     session, _ = load_model(model, "torch", fmt, cache_len=len(ids) + steps)
     outs = [session.prefill(ids, logits="all")]
     for k in range(steps):
@@ -237,8 +223,6 @@ def _load_transformers_gguf(file: Path):
 
 
 def _run_llamacpp(model: Model, file: Path, ids: list[int], feed: list[int]) -> tuple[np.ndarray, bool | None]:
-    from ..llamacpp_ref import LlamaCppRefused, llamacpp, native_stderr_kept
-
     try:
         with llamacpp(file, len(ids) + len(feed)) as llm:
             with native_stderr_kept():

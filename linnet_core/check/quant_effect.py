@@ -10,11 +10,11 @@ decisive (as the export round trips count it), and the perplexity of both. q8_0 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
-TEXT = Path(__file__).parent / "data" / "unseen_text.txt"
+from .agreement import decisive_agreement, log_softmax, mean_kld, perplexity
+
 GATES = {"q8_0": (0.01, 0.95)}  # mean KLD at most, top-1 agreement at least
 
 
@@ -39,36 +39,11 @@ class QuantEffect:
                 f"{self.perplexity_quantized:.4g}{gate}")
 
 
-def text_ids(model, limit: int) -> tuple[str, list[int]]:
-    """The unseen text's ids (at most `limit`), or the verify prompt's fixed ids without a tokenizer."""
-    from .verify import has_tokenizer, prompt_ids
-
-    if not has_tokenizer(model.path):
-        return "fixed ids (no tokenizer)", prompt_ids(model, None)[:limit]
-    from .tokenizer import Tokenizer
-
-    ids = Tokenizer(model.path).encode(TEXT.read_text())
-    return "unseen text", [i for i in ids if 0 <= i < model.spec.vocab_size][:limit]
-
-
 def measure(original: np.ndarray, quantized: np.ndarray, ids: list[int], fmt: str, text: str) -> QuantEffect:
     """Logits [T, V] of the original and the quantized model over `ids` -> the effect."""
-    from .export.roundtrip import decisive_agreement
-
-    def log_softmax(x: np.ndarray) -> np.ndarray:  # [T, V], float64
-        x = x.astype(np.float64)
-        x = x - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
     lp, lq = log_softmax(original), log_softmax(quantized)
-    kld = float((np.exp(lp) * (lp - lq)).sum(-1).mean())
-    nxt = np.asarray(ids[1:])
-    rows = np.arange(len(nxt))
-
-    def perplexity(logp: np.ndarray) -> float:
-        return float(np.exp(-logp[rows, nxt].mean())) if len(nxt) else float("nan")
-
     top1 = decisive_agreement(quantized, original, "bfloat16")
+    kld = mean_kld(lp, lq)
     gate = GATES.get(fmt)
     passed = gate is None or (kld <= gate[0] and top1 >= gate[1])
-    return QuantEffect(text, len(ids), kld, top1, perplexity(lp), perplexity(lq), gate, bool(passed))
+    return QuantEffect(text, len(ids), kld, top1, perplexity(lp, ids), perplexity(lq, ids), gate, bool(passed))

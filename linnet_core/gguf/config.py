@@ -14,8 +14,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import UnsupportedModel
-from . import FAMILIES
-from .spec import ModelSpec
+from ..models import FAMILIES
+from ..models.spec import ModelSpec
 
 ARCHITECTURES = {fam.GGUF.arch: fam for fam in FAMILIES.values()}
 # llama.cpp's rope scaling types Linnet computes (its llama3 scaling comes as a rope_freqs tensor).

@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .dtypes import FORMATS
-from .errors import BackendUnavailable, CheckpointError, UnsupportedModel
-from .export.gguf_read import GGUFFile
-from .models.gguf_config import config_from_gguf, gguf_tensor_names
-from .weights import Checkpoint, TensorInfo
+from ..dtypes import FORMATS
+from ..errors import BackendUnavailable, CheckpointError, UnsupportedModel
+from ..quant import dequantize
+from ..weights import Checkpoint, TensorInfo
+from .config import config_from_gguf, gguf_tensor_names
+from .reader import GGUFFile
 
 # GGUF types read as they are, as torch dtypes; the block formats Linnet computes on, by GGUF name.
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -96,8 +97,6 @@ class GgufCheckpoint(Checkpoint):
         if gtype in FLOAT_TYPES:
             w = super().get(name)
         elif gtype in BLOCK_FORMATS:
-            from .quant import dequantize
-
             w = dequantize(self._raw(info).view(info.shape[0], -1), BLOCK_FORMATS[gtype])
         else:
             w = torch.from_numpy(_dequantize_k(self._raw(info).numpy(), gtype, info.shape))

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import BackendUnavailable, CheckpointError
+from ..check.reference import ReferenceRun
+from ..errors import BackendUnavailable, CheckpointError
 from .llama_open import open_llama
-from .reference import ReferenceRun
 
 INSTALL = "pip install 'linnet[llamacpp]'"
 
@@ -66,7 +66,6 @@ def llamacpp(file: Path, positions: int) -> Iterator:
         raise BackendUnavailable("llama.cpp is the reference for a GGUF, and llama-cpp-python is not installed",
                                  hint=INSTALL) from None
     import torch
-
     from llama_cpp._logger import set_verbose
 
     log: list[str] = []

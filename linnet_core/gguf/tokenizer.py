@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import UnsupportedModel
-from .export.gguf_vocab import BYTE, CONTROL, NORMAL, PRE_TOKENIZERS, USER_DEFINED
+from ..errors import UnsupportedModel
+from .reader import GGUFFile
+from .vocab import BYTE, CONTROL, NORMAL, PRE_TOKENIZERS, USER_DEFINED
 
 # llama.cpp's pre-tokenizer names -> the split regex each means (None: GPT-2's own, ByteLevel's regex).
 # The aliases are the names llama.cpp maps onto the same regex as the key they point to.
@@ -110,8 +111,6 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> GgufTokenizer:
 
 def write_tokenizer_files(gguf: Path, dst: Path) -> None:
     """`tokenizer.json` and `tokenizer_config.json` in `dst` for the tokenizer the GGUF carries."""
-    from .export.gguf_read import GGUFFile
-
     with GGUFFile(gguf) as g:
         built = tokenizer_from_gguf(g.metadata)
     built.tokenizer.save(str(dst / "tokenizer.json"))

@@ -1,0 +1,61 @@
+"""The checked build of Linnet's CPU kernels, or why there is none, and the thin Python wrappers over
+it (`decode_linear`, `repack`, `quant_linear`). Anything missing means the generic ops, never an error."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from .build import QUANT_CODES, build_extension, register_fakes, unusable
+from .selfcheck import self_check
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded():
+    """(the built extension, None) or (None, why not); built and checked once."""
+    why = unusable()
+    if why:
+        return None, why
+    try:
+        ext = build_extension()
+        why = self_check(ext)
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the generic ops serve
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        return None, f"they could not be built ({type(e).__name__}: {last})"
+    if why:
+        return None, why
+    register_fakes()
+    return ext, None
+
+
+def extension():
+    """The built extension (`gemv_bf16`, `decode_attention`), or None (and `why_not()` says why)."""
+    return _loaded()[0]
+
+
+def why_not() -> str:
+    return _loaded()[1] or ""
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias); the kernel for one or two bf16 token rows, F.linear otherwise."""
+    ext = extension()
+    if ext is None:
+        return F.linear(x, weight, bias)
+    y = ext.bf16_linear(x, weight)  # the same choice as the compiled steps' operator (ops.cpp)
+    return y if bias is None else y + bias
+
+
+def repack(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """`fmt` blocks [N, K / 32 * block bytes] -> the same blocks as `quant_linear` reads them (8 rows
+    interleaved per block, q8_0's quants stored 128 above their value; a copy)."""
+    return extension().repack_rows8(blocks, QUANT_CODES[fmt])
+
+
+def quant_linear(x: torch.Tensor, packed: torch.Tensor, fmt: str, out_features: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (float32) @ W.T (+ bias), W [out_features, K] as `fmt` blocks from `repack`."""
+    y = extension().quant_linear(x, packed, QUANT_CODES[fmt], out_features)
+    return y if bias is None else y + bias
