@@ -4,9 +4,12 @@ A refactor must not make any backend slower. This checks out BASE into a git wor
 runs `linnet bench` over the same model with the base's code and with this checkout's code in
 turn (A B A B ..., so a drifting shared machine favours neither), each in its own artifact cache
 so every artifact is the commit's own, and prints per backend the median over rounds of each
-round's decode speed and time to first token, and the ratio this / base.
+round's decode speed and time to first token, and the ratio this / base. With `--serving`, the
+serving bench instead (`linnet bench --serving`, which every commit takes): per target, output
+tokens/s, TTFT p99 and ITL p99.
 
     python bench/compare_checkouts.py HEAD~3 /tmp/qwen3-191m --rounds 3 --save bench/results/compare.json
+    python bench/compare_checkouts.py HEAD~1 /tmp/qwen3-191m --serving --backends torch --rounds 3
 
 Both checkouts run in this Python environment (the base's code put first on PYTHONPATH), so
 they share every dependency's version.
@@ -28,11 +31,29 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def bench(code: Path, model: str, cache: Path, args: argparse.Namespace, out: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(code), "LINNET_CACHE": str(cache)}
-    cmd = [sys.executable, "-m", "linnet_cli", "bench", model, "--backend", args.backends, "--compare", "none",
-           "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens), "--runs", str(args.runs),
-           "--warmups", str(args.warmups), "--save", str(out), "--quiet"]
+    if args.serving:
+        cmd = [sys.executable, "-m", "linnet_cli", "bench", model, "--serving", "--backend", args.backends,
+               "--target", args.targets, "--rows", str(args.rows), "--requests", str(args.requests),
+               "--prompt-range", args.prompt_range, "--new-tokens", str(args.new_tokens),
+               "--concurrency", str(args.rows), "--save", str(out), "--quiet"]
+    else:
+        cmd = [sys.executable, "-m", "linnet_cli", "bench", model, "--backend", args.backends, "--compare", "none",
+               "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens), "--runs",
+               str(args.runs), "--warmups", str(args.warmups), "--save", str(out), "--quiet"]
     subprocess.run(cmd, cwd=code, env=env, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
+
+
+# (what a round records, its JSON key, the column's name, whether higher is better)
+DECODE = (("decode_tok_s", "decode", True), ("ttft_ms", "TTFT", False))
+SERVING = (("output_tok_s", "output tok/s", True), ("ttft_ms_p99", "TTFT p99", False),
+           ("itl_ms_p99", "ITL p99", False))
+
+
+def figures(result: dict, serving: bool) -> dict[str, dict[str, float]]:
+    if serving:
+        return {t["label"]: {key: t[key] for key, _, _ in SERVING} for t in result["targets"] if not t["failed"]}
+    return {s["label"]: {key: s[key] for key, _, _ in DECODE} for s in result["sides"] if s["status"] == "ok"}
 
 
 def main() -> None:
@@ -46,6 +67,11 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--warmups", type=int, default=2)
     p.add_argument("--save", type=Path, help="write every round's figures and the medians as JSON")
+    p.add_argument("--serving", action="store_true", help="compare the serving bench instead of decode")
+    p.add_argument("--targets", default="engine,http", help="--serving: the serving bench's targets")
+    p.add_argument("--rows", type=int, default=8, help="--serving: engine rows (and requests in flight)")
+    p.add_argument("--requests", type=int, default=64, help="--serving: requests per round")
+    p.add_argument("--prompt-range", default="32-128", help="--serving: prompt lengths, MIN-MAX")
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="linnet-compare-"))
@@ -59,9 +85,9 @@ def main() -> None:
             order = list(sides) if r % 2 == 0 else list(sides)[::-1]
             for name in order:
                 result = bench(sides[name], args.model, work / f"cache-{name}", args, work / f"{name}-{r}.json")
-                rounds[name].append({s["label"]: {"decode_tok_s": s["decode_tok_s"], "ttft_ms": s["ttft_ms"]}
-                                     for s in result["sides"] if s["status"] == "ok"})
-                print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v['decode_tok_s']:.1f} tok/s"
+                rounds[name].append(figures(result, args.serving))
+                first = (SERVING if args.serving else DECODE)[0][0]
+                print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v[first]:.1f}"
                                                             for k, v in rounds[name][-1].items()), file=sys.stderr)
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_tree)], check=False)
@@ -70,14 +96,18 @@ def main() -> None:
         return statistics.median(r[label][key] for r in rounds[name] if label in r)
 
     labels = [lab for lab in rounds["this"][0] if all(lab in r for r in rounds["base"] + rounds["this"])]
+    columns = SERVING if args.serving else DECODE
     summary = {}
-    print("\n| backend | decode base | decode this | this/base | TTFT base | TTFT this | base/this |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| " + ("target" if args.serving else "backend") + " | " + " | ".join(
+        f"{name} base | {name} this | {'this/base' if higher else 'base/this'}" for _, name, higher in columns) + " |")
+    print("|---|" + "---:|---:|---:|" * len(columns))
     for lab in labels:
-        d0, d1 = median("base", lab, "decode_tok_s"), median("this", lab, "decode_tok_s")
-        t0, t1 = median("base", lab, "ttft_ms"), median("this", lab, "ttft_ms")
-        summary[lab] = {"decode_base": d0, "decode_this": d1, "ttft_base": t0, "ttft_this": t1}
-        print(f"| {lab} | {d0:.1f} tok/s | {d1:.1f} tok/s | {d1 / d0:.3f}× | {t0:.1f} ms | {t1:.1f} ms | {t0 / t1:.3f}× |")
+        cells, summary[lab] = [], {}
+        for key, _, higher in columns:
+            b0, b1 = median("base", lab, key), median("this", lab, key)
+            summary[lab].update({f"{key}_base": b0, f"{key}_this": b1})
+            cells += [f"{b0:,.1f}", f"{b1:,.1f}", f"{(b1 / b0 if higher else b0 / b1):.3f}×"]
+        print(f"| {lab} | " + " | ".join(cells) + " |")
     if args.save:
         args.save.write_text(json.dumps({"base": args.base, "model": args.model, "rounds": rounds,
                                          "medians": summary}, indent=1))

@@ -1,7 +1,6 @@
 """Linnet core: one IR for decoder-only LLM checkpoints, and the backends that compile it.
 
-    from linnet_core import load_model
-    from linnet_core.check.verify import verify
+    from linnet_core import load_model, verify
     session, compiled = load_model("qwen3-4b", backend="torch", dtype="bfloat16", rows=4)
     report = verify("./my-checkpoint", backend="torch", dtype="float16")
 
@@ -16,7 +15,7 @@ __version__ = "0.1.0"
 # start-up) does not import torch until needed.
 _LAZY = {"compile_model": "compile", "load_model": "compile", "open_model": "compile",
          "export_hf": "export.hf_export", "export_gguf": "export.gguf_export", "export_onnx": "export.onnx_export",
-         "read_gguf": "export.gguf_read"}
+         "read_gguf": "gguf.reader", "verify": "check.verify"}
 __all__ = ["__version__", *_LAZY]
 
 

@@ -113,6 +113,14 @@ def test_function_local_imports_of_linnets_modules_say_why():
     assert not wrong, f"import these at the top of the file, or say why not in the line: {wrong}"
 
 
+def test_the_public_api_names_resolve():
+    """`from linnet_core import verify, read_gguf, ...`: every name the package offers, wherever it moved."""
+    import linnet_core
+
+    for name in linnet_core.__all__:
+        assert callable(getattr(linnet_core, name)) or name == "__version__", name
+
+
 def test_cited_scripts_exist():
     """Comments and docs cite bench and scripts files by path; every one must exist."""
     cited = set()

@@ -175,19 +175,23 @@ def test_serving_bench_json_and_page(tokenized_checkpoints, tmp_path):
 
 def test_serving_rounds_interleave_and_report_the_median(tokenized_checkpoints, tmp_path):
     out = tmp_path / "serving.json"
-    r = invoke("bench", tokenized_checkpoints["qwen2-bias-tied"], "--serving", "--requests", "6", "--prompt-range",
+    r = invoke("bench-serving", tokenized_checkpoints["qwen2-bias-tied"], "--requests", "6", "--prompt-range",
                "4-12", "--new-tokens", "4", "--concurrency", "2", "--rows", "2", "--target", "sequential,engine",
-               "--rounds", "3", "--save", out, "--markdown")
+               "--rounds", "3", "--decode-stall", "0", "--no-prefix-caching", "--save", out, "--markdown")
     assert r.exit_code == 0, r.stderr
     assert "(round 2 of 3)" in r.stderr and "median of 3 interleaved rounds" in r.stdout
+    assert "prompt chunks unbounded by decode" in r.stdout  # --decode-stall 0 reached the engine's header
     data = json.loads(out.read_text())
-    assert data["rounds"] == 3
+    assert data["rounds"] == 3 and data["decode_stall"] is None
+    assert data["engine"]["prefix_caching"] is False and data["engine"]["rows"] == 2
     for t in data["targets"]:
         rounds = t["rounds_output_tok_s"]
         assert len(rounds) == 3 and t["output_tok_s"] == sorted(rounds)[1] and t["failed"] == 0
     assert "Output tok/s in each round" in r.stdout
     bad = invoke("bench", tokenized_checkpoints["qwen2-bias-tied"], "--serving", "--rounds", "0")
     assert bad.exit_code == 2 and "--rounds" in bad.stderr
+    bad = invoke("bench-serving", tokenized_checkpoints["qwen2-bias-tied"], "--decode-stall", "0.5")
+    assert bad.exit_code == 1 and "--decode-stall is 0 (off) or at least 1" in bad.stderr
 
 
 def test_sequential_probes_beside_each_side_and_flags_an_under_read(checkpoints, monkeypatch, tmp_path):
