@@ -57,7 +57,7 @@ def test_verify_json_and_exit_code(checkpoints, monkeypatch):
     human = invoke("verify", path, "--dtype", "float16")
     assert human.exit_code == 0 and "PASS" in human.stdout and "distance from reference" in human.stdout
 
-    import linnet_core.check.verify as v
+    import linnet_core.check.agreement as v
 
     monkeypatch.setitem(v.TOLERANCE, "float16", 0.0)  # nothing passes a zero tolerance in float16
     failed = invoke("verify", path, "--dtype", "float16", "--json")
