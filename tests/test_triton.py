@@ -243,15 +243,29 @@ def on_busy(result, error):
         finals.append(1)
 
 busy = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+
+
+def handed_to_the_model():  # requests whose execute() has returned: in the engine's hands from then on
+    stats = busy.get_inference_statistics("tiny", as_json=True)["model_stats"][0]["inference_stats"]
+    return int(stats["success"].get("count", 0))
+
+
+def wait_until_handed(count):  # a request cancelled before Triton hands it over never reaches the engine
+    deadline = time.time() + 30
+    while handed_to_the_model() < count and time.time() < deadline:
+        time.sleep(0.01)
+
+
+start = handed_to_the_model()
 busy.start_stream(callback=on_busy)
 for i in range(n_busy):
     busy.async_stream_infer("tiny", inputs("Once", 90), request_id=f"busy-{i}")
-time.sleep(0.2)
+wait_until_handed(start + n_busy)
 left = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
 left.start_stream(callback=lambda result, error: None)
 for i in range(n_left):
     left.async_stream_infer("tiny", inputs("The list", 50), request_id=f"left-{i}")
-time.sleep(0.2)
+wait_until_handed(start + n_busy + n_left)
 left.stop_stream(cancel_requests=True)  # the client leaves while its requests wait for rows
 deadline = time.time() + 120
 while len(finals) < n_busy and time.time() < deadline:

@@ -1,5 +1,6 @@
 """The kernels a CPU step receives for the ops between its matmuls (StepKernels), handed to the
-generated step as weights["global"]["step_kernels"]; plain holders of the checked build's functions."""
+generated step as weights["global"]["step_kernels"] by `add_step_kernels`: plain holders of the
+checked build's functions, which the build's self-check composes too (so nothing here imports it)."""
 
 from __future__ import annotations
 
