@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 from test_cli import assert_one_line_error, invoke
@@ -56,14 +57,17 @@ def test_the_engine_takes_the_configuration(tokenized_checkpoints):
 
 
 def test_export_triton_writes_every_engine_option(tokenized_checkpoints, tmp_path):
-    """A Triton user sets what a `linnet serve` user sets: the options here, config.pbtxt later."""
+    """A Triton user sets what a `linnet serve` user sets: the options here, config.pbtxt later; a
+    model path with quotes and accents is written as text format reads it."""
+    model = tmp_path / 'my "model" café'
+    shutil.copytree(tokenized_checkpoints["qwen2-bias-tied"], model)
     out = tmp_path / "repo"
-    r = invoke("export", "triton", tokenized_checkpoints["qwen2-bias-tied"], out, "--rows", "3", "--cache-len", "64",
+    r = invoke("export", "triton", model, out, "--rows", "3", "--cache-len", "64",
                "--prefill-chunk", "32", "--max-waiting", "7", "--decode-stall", "0", "--burst-wait", "5",
                "--no-prefix-caching", "--name", "m")
     assert r.exit_code == 0, r.stderr
     config = ServeConfig.from_parameters(pbtxt_parameters((out / "m" / "config.pbtxt").read_text()))
-    assert config == ServeConfig(model=str(tokenized_checkpoints["qwen2-bias-tied"].resolve()), dtype="float32",
+    assert config == ServeConfig(model=str(model.resolve()), dtype="float32",
                                  rows=3, cache_len=64, prefill_chunk=32, max_waiting=7, decode_stall=0,
                                  burst_wait_ms=5, prefix_caching=False)
 

@@ -37,6 +37,12 @@ parameters [
 PARAMETER = '  {{ key: {key}, value: {{ string_value: {value} }} }}'
 
 
+def _quoted(text: str) -> str:
+    """A protobuf text-format string: JSON's escapes for quotes, backslashes and control characters are
+    text format's too; other characters as they are (UTF-8)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
 def export_triton(model: str | Path | Model | None, out: Path, config: ServeConfig = ServeConfig(),
                   name: str | None = None, env: Path | None = None, force: bool = False) -> ExportResult:
     """Write OUT/<name>/config.pbtxt and OUT/<name>/1/model.py: the model and every engine setting of
@@ -57,7 +63,7 @@ def export_triton(model: str | Path | Model | None, out: Path, config: ServeConf
         (tmp / name / "1").mkdir(parents=True)
         shutil.copy2(Path(__file__).with_name("triton_model.py"), tmp / name / "1" / "model.py")
         (tmp / name / "config.pbtxt").write_text(CONFIG.format(name=name, parameters=",\n".join(
-            PARAMETER.format(key=json.dumps(k), value=json.dumps(v)) for k, v in parameters.items())))
+            PARAMETER.format(key=_quoted(k), value=_quoted(v)) for k, v in parameters.items())), encoding="utf-8")
     return summarize(Path(out), started)
 
 
