@@ -67,3 +67,13 @@ BurstWaitOpt = Annotated[float, typer.Option(
 PrefixCachingOpt = Annotated[bool, typer.Option(
     "--prefix-caching/--no-prefix-caching", help="Reuse the cached positions of the longest prefix a "
     "prompt shares with a cache row (a system prompt, a chat's earlier turns).")]
+
+
+def name_list(values: list[str] | None, every: tuple[str, ...], default: str) -> list[str]:
+    """`all`, `none`, or names, each value possibly comma-separated."""
+    flat = [v.strip() for value in (values or [default]) for v in value.split(",") if v.strip()]
+    if flat == ["all"]:
+        return list(every)
+    if flat == ["none"]:
+        return []
+    return list(dict.fromkeys(flat))

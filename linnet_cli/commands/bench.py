@@ -14,19 +14,9 @@ from linnet_core.bench.subjects import COMPARATORS, Method, pick
 from linnet_core.errors import InputError
 from linnet_core.serve.config import ServeConfig
 
-from ..options import DtypeOpt, JsonOpt, OptionalModelArg, QuietOpt
+from ..options import DtypeOpt, JsonOpt, OptionalModelArg, QuietOpt, name_list
 from ..output import EXIT_INTERRUPTED, Sink, check_output_files, handle_errors
 from .bench_serving import HIDDEN, run_serving
-
-
-def _names(values: list[str] | None, every: tuple[str, ...], default: str) -> list[str]:
-    """`all`, `none`, or names, each value possibly comma-separated."""
-    flat = [v.strip() for value in (values or [default]) for v in value.split(",") if v.strip()]
-    if flat == ["all"]:
-        return list(every)
-    if flat == ["none"]:
-        return []
-    return list(dict.fromkeys(flat))
 
 
 @handle_errors
@@ -96,7 +86,7 @@ def bench_command(
     if serving and time_limit is not None:
         raise InputError("--time-limit bounds the decode bench; --serving is bounded by --requests")
     if serving:
-        names = _names(backend, (), "torch")
+        names = name_list(backend, (), "torch")
         if len(names) != 1:
             raise InputError("--serving measures one backend at a time: give one --backend")
         config = ServeConfig(model, names[0], dtype, rows, None, prefill_chunk, ServeConfig.max_waiting, decode_stall,
@@ -105,7 +95,7 @@ def bench_command(
                     rounds, url, api_key, build_llama_server, html, save, markdown)
         return
     method = Method(prompt_tokens, new_tokens, batch, runs, warmups, dtype, cache_len)
-    subjects = pick(_names(backend, BACKEND_NAMES, "all"), _names(compare, tuple(COMPARATORS), "all"))
+    subjects = pick(name_list(backend, BACKEND_NAMES, "all"), name_list(compare, tuple(COMPARATORS), "all"))
     reporter = _progress(sink)
     try:
         result = bench(model, method, subjects, device, workdir, reporter, sequential=sequential,

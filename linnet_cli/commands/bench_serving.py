@@ -30,6 +30,7 @@ from ..options import (
     PrefillChunkOpt,
     PrefixCachingOpt,
     QuietOpt,
+    name_list,
 )
 from ..output import Sink, check_output_files, handle_errors
 
@@ -123,8 +124,7 @@ def run_serving(sink: Sink, config: ServeConfig, new_tokens: int, requests: int,
         low, high = (int(x) for x in prompt_range.split("-"))
     except ValueError:
         raise InputError(f"cannot read --prompt-range '{prompt_range}'", hint="write it like 128-512") from None
-    targets = tuple(dict.fromkeys(v.strip() for value in (target or [",".join(DEFAULT_TARGETS)])
-                                  for v in value.split(",") if v.strip()))
+    targets = tuple(name_list(target, DEFAULT_TARGETS, "all"))
     unknown = [t for t in targets if t not in TARGET_NAMES]
     if unknown:
         raise InputError(f"unknown target '{unknown[0]}' (choose from: {', '.join(TARGET_NAMES)}; --url for others)")
