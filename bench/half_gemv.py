@@ -1,5 +1,5 @@
-"""How fast Linnet's 16-bit kernels stream weights, beside a plain read of the same memory and
-PyTorch's own kernels, at the 191M Qwen3's decode-step shapes (8 layers and the output head) or
+"""How fast Linnet's 16-bit and float32 kernels stream weights, beside a plain read of the same memory
+and PyTorch's own kernels (oneDNN's packed weights for float32), at the 191M Qwen3's decode-step shapes (8 layers and the output head) or
 Qwen3-4B's (4 layers).
 
     python bench/half_gemv.py                 # medians of 20, 2 threads, a table
@@ -54,26 +54,41 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     rows: dict[str, float] = {}
     shapes, layer = SHAPES[args.shapes], LAYERS[args.shapes]
-    for dtype, name, gemv in ((torch.bfloat16, "bf16", ext.gemv_bf16), (torch.float16, "f16", ext.gemv_f16)):
+    print(f"kernel level: {extension.level()}")
+    for dtype, name, gemv in ((torch.bfloat16, "bf16", ext.gemv_bf16), (torch.float16, "f16", ext.gemv_f16),
+                              (torch.float32, "f32", ext.gemv_f32)):
         flat, ws = weights(shapes, dtype, g, ext)
-        nbytes = flat.numel() * 2
+        nbytes = flat.numel() * flat.element_size()
         if not rows:  # the same bytes read as float32
             rows["plain read (torch.sum)"] = nbytes / median_seconds(flat.view(torch.float32).sum, args.runs) / 1e9
         kernels = [(f"Linnet's {name} GEMV", gemv), (f"F.linear {name}", F.linear)]
-        if dtype == torch.float16:  # the layout sessions hold float16 linears in (cpu/linears.py's PackedHalfLinear)
-            packed = {id(w): ext.repack_f16_rows8(w) for w in ws}
-            kernels.insert(0, (f"Linnet's packed {name} GEMV", lambda x, w: ext.packed_half_linear(x, packed[id(w)], w.shape[0])))
+        if dtype != torch.bfloat16:  # the layout sessions hold these linears in (cpu/linears.py's PackedFloatLinear)
+            packed = {id(w): ext.repack_rows8_float(w) for w in ws}
+            kernels.insert(0, (f"Linnet's packed {name} GEMV", lambda x, w: ext.packed_float_linear(x, packed[id(w)], w.shape[0])))
+        if dtype == torch.float32:  # what float32 sessions ran before: oneDNN's weights reordered at load
+            onednn = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in ws}
+            kernels.append(("oneDNN packed f32", lambda x, w: torch.ops.mkldnn._linear_pointwise(x, onednn[id(w)], None, "none", [], "")))
         for m in (1, 2):
             xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in {k for _, k in shapes}}
             for label, fn in kernels:
                 t = median_seconds(lambda: [fn(xs[w.shape[1]], w) for w in ws], args.runs)
                 rows[f"{label}, {m} token row(s)"] = nbytes / t / 1e9
+        if dtype == torch.float32:  # prompts: Linnet's tiles against oneDNN's
+            layers = ws[:len(layer) * (len(shapes) // len(layer))]
+            xs = {k: torch.randn(128, k, generator=g) for k in {k for _, k in layer}}
+            flops = sum(2 * 128 * w.numel() for w in layers)
+            runs = max(3, args.runs // 4)
+            t = median_seconds(lambda: [ext.packed_float_linear(xs[w.shape[1]], packed[id(w)], w.shape[0]) for w in layers], runs)
+            rows["Linnet's packed f32 GEMM, 128-token prompt (GFLOP/s)"] = flops / t / 1e9
+            t = median_seconds(lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], onednn[id(w)], None, "none", [], "")
+                                        for w in layers], runs)
+            rows["oneDNN packed f32 GEMM, 128-token prompt (GFLOP/s)"] = flops / t / 1e9
         if dtype == torch.float16:  # prompts: Linnet's tiles against MKL over widened copies
             layers = ws[:len(layer) * (len(shapes) // len(layer))]
             xs = {k: torch.randn(128, k, generator=g).half() for k in {k for _, k in layer}}
             flops = sum(2 * 128 * w.numel() for w in layers)
             runs = max(3, args.runs // 4)
-            t = median_seconds(lambda: [ext.packed_half_linear(xs[w.shape[1]], packed[id(w)], w.shape[0]) for w in layers], runs)
+            t = median_seconds(lambda: [ext.packed_float_linear(xs[w.shape[1]], packed[id(w)], w.shape[0]) for w in layers], runs)
             rows["Linnet's packed f16 GEMM, 128-token prompt (GFLOP/s)"] = flops / t / 1e9
             t = median_seconds(lambda: [ext.gemm_f16(xs[w.shape[1]], w) for w in layers], runs)
             rows["Linnet's f16 GEMM, 128-token prompt (GFLOP/s)"] = flops / t / 1e9

@@ -51,7 +51,7 @@ def platform_checks() -> list[Check]:
     from .backends.cpu.build import status as kernel_status  # imports torch: doctor's other checks run without it
 
     ready, detail = kernel_status()
-    checks.append(Check("CPU decode kernels", ready, detail))
+    checks.append(Check("CPU kernels", ready, detail))
     return checks
 
 

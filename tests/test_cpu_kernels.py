@@ -1,4 +1,5 @@
-"""Linnet's CPU decode kernels (backends/cpu/csrc/*.cpp) against the generic ops, and where sessions use them."""
+"""Linnet's CPU kernels (backends/cpu/csrc/*.cpp) against the generic ops, and where sessions use them, at
+the level this CPU runs; `test_every_lower_level_passes_these_tests` runs them again at each lower level."""
 
 from __future__ import annotations
 
@@ -49,9 +50,23 @@ def test_bias_and_what_the_kernel_leaves_to_f_linear(ext):
     assert torch.equal(extension.decode_linear(x, odd), F.linear(x, odd))
 
 
-def test_bf16_linears_take_the_kernel_and_float32_keeps_onednn(ext):
+def test_each_dtype_takes_linnets_kernel(ext):
+    from linnet_core.backends.cpu.linears import PackedFloatLinear
+
     assert linear_kernel(torch.bfloat16) is DecodeLinear
-    assert linear_kernel(torch.float32) is not DecodeLinear
+    assert linear_kernel(torch.float16) is PackedFloatLinear and linear_kernel(torch.float32) is PackedFloatLinear
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_float32_gemvs_match_f_linear(ext, rows):
+    """float32 decode rows: the row kernel (a tied head) and the packed one, within float32's rounding."""
+    g = torch.Generator().manual_seed(rows)
+    for N, K in ((83, 32), (700, 48), (640, 2560)):
+        w, x = torch.randn(N, K, generator=g), torch.randn(rows, K, generator=g)
+        want = F.linear(x.double(), w.double()).float()
+        assert torch.allclose(ext.gemv_f32(x, w), want, atol=1e-4, rtol=1e-4)
+        assert torch.allclose(ext.packed_float_linear(x, ext.repack_rows8_float(w), N), want, atol=1e-4, rtol=1e-4)
+        assert torch.equal(ext.row_linear(x, w), ext.gemv_f32(x, w))
 
 
 ATTENTION_SHAPES = [  # (rows, heads, kv heads, head size, window)
@@ -245,9 +260,8 @@ def test_compiled_steps_reach_the_kernels_through_cpp_operators(ext):
 def test_float16_linears_run_decode_by_the_gemv_and_prompts_by_the_tiled_gemm(ext):
     """Decode rows by Linnet's GEMV, prompts by its tiled GEMM (float32 inside, rounded once: within
     half an ulp of float16 of the float32 product), every tile shape at the edges."""
-    from linnet_core.backends.cpu.linears import HalfLinear
+    from linnet_core.backends.cpu.linears import RowLinear
 
-    assert linear_kernel(torch.float16) is HalfLinear
     g = torch.Generator().manual_seed(6)
     w, b = torch.randn(700, 64, generator=g).half(), torch.randn(700, generator=g).half()
     for K in (48, 64):  # K % 32 == 16 takes the GEMV's single last step
@@ -257,53 +271,54 @@ def test_float16_linears_run_decode_by_the_gemv_and_prompts_by_the_tiled_gemm(ex
             got = ext.gemv_f16(x, w[:, :K].contiguous())
             assert got.dtype == torch.float16 and got.shape == (rows, 1, 700)
             assert torch.allclose(got.float(), want, atol=2e-3, rtol=1e-3)  # float16's half-ulp is 2**-11
-            assert torch.equal(ext.half_linear(x, w[:, :K].contiguous()), got)
+            assert torch.equal(ext.row_linear(x, w[:, :K].contiguous()), got)
     odd = torch.randn(1, 40, generator=g).half()  # K % 16 != 0: PyTorch's kernel, as it computes
-    assert torch.equal(ext.half_linear(odd, w[:, :40].contiguous()), F.linear(odd, w[:, :40]))
+    assert torch.equal(ext.row_linear(odd, w[:, :40].contiguous()), F.linear(odd, w[:, :40]))
     one = torch.randn(1, 1, 64, generator=g).half()
-    assert torch.equal(HalfLinear(w, 0).eager(one, b), ext.gemv_f16(one, w) + b)
+    assert torch.equal(RowLinear(w, 0).eager(one, b), ext.gemv_f16(one, w) + b)
     for tokens in range(3, 10):  # token rows past the GEMV: whole and short tiles of 4; 700 % 6 == 4
         prompt = torch.randn(1, tokens, 64, generator=g).half()
-        got = HalfLinear(w, 0).eager(prompt, None)
+        got = RowLinear(w, 0).eager(prompt, None)
         assert got.dtype == torch.float16 and got.shape == (1, tokens, 700)
         assert torch.equal(got, ext.gemm_f16(prompt, w))
         assert torch.allclose(got.float(), F.linear(prompt.float(), w.float()), atol=2e-3, rtol=1e-3)
 
 
-def test_packed_float16_linears_match_the_unpacked_kernels(ext):
-    """Weights repacked 8 rows interleaved compute what the row-layout kernels compute: decode rows
-    within a float32 rounding of the row kernel's (sums in another order), prompts within float16's
-    rounding of the float32 product, at every tile edge (rows past a block of 8, token rows past a
-    tile of 6)."""
-    from linnet_core.backends.cpu.linears import PackedHalfLinear
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_packed_float_linears_match_the_product(ext, dtype):
+    """Weights repacked 8 rows interleaved compute the float32 product, rounded once to the dtype
+    (float16's half ulp; float32's own summation order), decode rows and prompts, at every tile edge
+    (rows past a block of 8, token rows past a tile of 2 or 6)."""
+    from linnet_core.backends.cpu.linears import PackedFloatLinear
 
     g = torch.Generator().manual_seed(7)
+    tol = dict(atol=2e-3, rtol=1e-3) if dtype == torch.float16 else dict(atol=1e-4, rtol=1e-4)
     for N, K in ((45, 32), (700, 64), (8, 48)):
-        w, b = torch.randn(N, K, generator=g).half(), torch.randn(N, generator=g).half()
-        packed = ext.repack_f16_rows8(w)
-        assert packed.shape == ((N + 7) // 8, K // 16, 8, 16)
-        kernel = PackedHalfLinear(w, 0)
+        w, b = torch.randn(N, K, generator=g).to(dtype), torch.randn(N, generator=g).to(dtype)
+        packed = ext.repack_rows8_float(w)
+        assert packed.shape == ((N + 7) // 8, K // 16, 8, 16) and packed.dtype == dtype
+        kernel = PackedFloatLinear(w, 0)
         for rows in (1, 2):
-            x = torch.randn(rows, 1, K, generator=g).half()
-            got = ext.packed_half_linear(x, packed, N)
-            assert got.dtype == torch.float16 and got.shape == (rows, 1, N)
-            assert torch.allclose(got.float(), F.linear(x.float(), w.float()), atol=2e-3, rtol=1e-3)
+            x = torch.randn(rows, 1, K, generator=g).to(dtype)
+            got = ext.packed_float_linear(x, packed, N)
+            assert got.dtype == dtype and got.shape == (rows, 1, N)
+            assert torch.allclose(got.float(), F.linear(x.double(), w.double()).float(), **tol)
             assert torch.equal(kernel.eager(x, b), got + b)
         for tokens in range(3, 14):
-            prompt = torch.randn(1, tokens, K, generator=g).half()
-            got = ext.packed_half_linear(prompt, packed, N)
-            assert got.dtype == torch.float16 and got.shape == (1, tokens, N)
-            assert torch.allclose(got.float(), F.linear(prompt.float(), w.float()), atol=2e-3, rtol=1e-3)
+            prompt = torch.randn(1, tokens, K, generator=g).to(dtype)
+            got = ext.packed_float_linear(prompt, packed, N)
+            assert got.dtype == dtype and got.shape == (1, tokens, N)
+            assert torch.allclose(got.float(), F.linear(prompt.double(), w.double()).float(), **tol)
     with pytest.raises(RuntimeError, match="blocks of another shape"):
-        ext.packed_half_linear(torch.randn(1, 32).half(), ext.repack_f16_rows8(torch.randn(16, 32).half()), 24)
+        ext.packed_float_linear(torch.randn(1, 32).half(), ext.repack_rows8_float(torch.randn(16, 32).half()), 24)
     with pytest.raises(RuntimeError, match="K % 16 == 0"):
-        ext.repack_f16_rows8(torch.randn(8, 40).half())
+        ext.repack_rows8_float(torch.randn(8, 40).half())
 
 
 def test_float16_heads_tied_to_the_token_table_keep_their_layout(ext):
     """A float16 linear is repacked (its mapped original released); a head that is the token table
     keeps the table's layout, which the step's gathers read."""
-    from linnet_core.backends.cpu.linears import HalfLinear, PackedHalfLinear
+    from linnet_core.backends.cpu.linears import RowLinear, PackedFloatLinear
 
     g = torch.Generator().manual_seed(8)
     table, proj = torch.randn(40, 32, generator=g).half(), torch.randn(24, 32, generator=g).half()
@@ -316,9 +331,9 @@ def test_float16_heads_tied_to_the_token_table_keep_their_layout(ext):
     weights = Mapped({"global": {"token_embd.weight": table, "output.weight": table},
                       "layers": [{"attn_qkv.weight": proj}]})
     kernels = pack_linear_weights(weights, {"global": ["output.weight"], "block": ["attn_qkv.weight"]})
-    assert isinstance(weights["global"]["output.weight"], HalfLinear)
+    assert isinstance(weights["global"]["output.weight"], RowLinear)
     assert weights["global"]["token_embd.weight"] is table
-    assert isinstance(weights["layers"][0]["attn_qkv.weight"], PackedHalfLinear)
+    assert isinstance(weights["layers"][0]["attn_qkv.weight"], PackedFloatLinear)
     assert released == ["blk.0.attn_qkv.weight"] and len(kernels) == 2
 
 
@@ -414,3 +429,72 @@ def test_a_lock_left_by_a_killed_build_is_cleared_and_a_fresh_one_kept(tmp_path)
     with pytest.warns(build.KernelBuildNotice, match="stale build lock"):
         assert build.clear_stale_lock(tmp_path)
     assert not lock.exists() and not build.clear_stale_lock(tmp_path)
+
+
+def test_dispatch_takes_the_highest_level_the_cpu_runs(monkeypatch):
+    """As ATen and ggml dispatch: the first level whose features this CPU has (x86-64 from
+    /proc/cpuinfo's flags, ARM64 from HWCAP), none below the floor, each level's flags in its key."""
+    monkeypatch.delenv(build.LEVEL_ENV, raising=False)
+    cases = [("x86_64", {"avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
+                         "avx512_vnni"}, "avx512"),
+             ("x86_64", {"avx2", "fma", "f16c", "avx_vnni", "avx512f"}, "avx2-vnni"),  # AVX-512 without BF16
+             ("x86_64", {"avx2", "fma", "f16c"}, "avx2"),
+             ("x86_64", {"avx", "sse4_2"}, None),
+             ("aarch64", {"asimd", "asimddp", "bf16", "i8mm"}, "neon-dotprod-bf16"),
+             ("aarch64", {"asimd", "asimddp"}, "neon-dotprod"),
+             ("aarch64", {"asimd"}, "neon")]
+    for arch, features, want in cases:
+        monkeypatch.setattr(build, "_arch", lambda arch=arch: arch)
+        monkeypatch.setattr(build, "cpu_features", lambda features=features: frozenset(features))
+        level = build.chosen_level()
+        assert (level.name if level else None) == want, (arch, features)
+        if want is None:
+            assert "lacks AVX2, FMA and F16C" in build.unusable() and "q8_0/q4_0" in build.unusable()
+    keys = {build._key(level) for level in build.LEVELS}
+    assert len(keys) == len(build.LEVELS)  # one build folder per level
+
+
+def test_a_forced_level_is_honoured_and_a_level_the_cpu_lacks_is_one_line(monkeypatch):
+    monkeypatch.setattr(build, "_arch", lambda: "x86_64")
+    monkeypatch.setattr(build, "cpu_features", lambda: frozenset({"avx2", "fma", "f16c", "avx_vnni"}))
+    monkeypatch.setenv(build.LEVEL_ENV, "avx2")
+    assert build.chosen_level().name == "avx2" and build.describe() == "AVX2 (avx2)"
+    from linnet_core.errors import BackendUnavailable
+
+    for name, says in (("avx512", "asks for AVX-512 BF16/VNNI, which this CPU lacks (it runs: avx2-vnni, avx2)"),
+                       ("sse9", "is not a kernel level; the levels are avx512, avx2-vnni, avx2, neon-dotprod-bf16")):
+        monkeypatch.setenv(build.LEVEL_ENV, name)
+        with pytest.raises(BackendUnavailable, match=says.replace("(", r"\(").replace(")", r"\)")) as e:
+            build.chosen_level()
+        assert "\n" not in str(e.value)
+        assert build.status()[0] is False and says in build.status()[1]
+
+
+def test_a_forced_level_the_cpu_lacks_stops_the_cli_in_one_line(tmp_path):
+    """What a user sees: one line and a non-zero exit, not a quiet fallback to the generic ops."""
+    missing = next((lv for lv in build.LEVELS if lv not in build.runnable_levels()), None)
+    env = {**os.environ, build.LEVEL_ENV: missing.name, "LINNET_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "linnet_cli", "run", "--prompt", "hi", "--max-new-tokens", "2"],
+                         env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert f"{build.LEVEL_ENV}={missing.name} asks for {missing.label}, which this CPU lacks" in out.stderr
+
+
+LOWER_LEVEL_TESTS = ["tests/test_cpu_kernels.py", "tests/test_quantized.py", "-k",
+                     "not lower_level and (kernel or repacking or cpu_kernels or inductor or gpu_path)"]
+
+
+@pytest.mark.slow
+def test_every_lower_level_passes_these_tests(ext):
+    """An AVX-512 machine runs the AVX2 builds too: each lower level this CPU runs is built (~2 min
+    each) and held to these tests and the quantized ones (both formats, every family fixture)."""
+    if os.environ.get(build.LEVEL_ENV):
+        pytest.skip("a run at a forced level: its own lower levels are the parent run's")
+    lower = build.runnable_levels()[1:]
+    if not lower:
+        pytest.skip(f"{build.describe()} is this CPU's only level")
+    for level in lower:
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *LOWER_LEVEL_TESTS],
+                             env={**os.environ, build.LEVEL_ENV: level.name}, capture_output=True, text=True)
+        assert out.returncode == 0, f"{level.name}:\n{out.stdout[-4000:]}{out.stderr[-2000:]}"
+        assert " passed" in out.stdout and " failed" not in out.stdout

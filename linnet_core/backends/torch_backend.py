@@ -24,7 +24,7 @@ from ..runtime.session import Session
 from .artifact import WEIGHTS_FILE, import_generated, load_prepared_weights, read_info
 from .base import Backend
 from .cpu import extension as cpu_kernels
-from .cpu.linears import DecodeLinear, HalfLinear, linear_kernel, pack_linear_weights
+from .cpu.linears import DecodeLinear, PackedFloatLinear, linear_kernel, pack_linear_weights
 from .cpu.step_kernels import add_step_kernels
 from .torch_emit import emit
 
@@ -37,7 +37,7 @@ PACKED_AT_LOAD = ("float32",)
 
 def kernels_at_load(dtype: str) -> bool:
     """Whether a CPU session wraps its float linear weights in kernels at load (a copy only where packed)."""
-    return compute_dtype(dtype) in PACKED_AT_LOAD or linear_kernel(torch_dtype(dtype)) in (DecodeLinear, HalfLinear)
+    return compute_dtype(dtype) in PACKED_AT_LOAD or linear_kernel(torch_dtype(dtype)) in (DecodeLinear, PackedFloatLinear)
 
 
 def cpu_weights(weights: dict, info: dict, eager: bool) -> list:

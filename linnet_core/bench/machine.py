@@ -119,10 +119,13 @@ def cpu_name() -> str:
 def environment(device: str) -> dict:
     import torch
 
+    from ..backends.cpu.build import describe as kernel_level  # imports torch: not at start-up
+
     env = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "python": platform.python_version(),
         "cpu": cpu_name(),
+        "cpu_kernels": kernel_level(),  # the ISA level of Linnet's CPU kernels: every figure names its machine
         "threads": torch.get_num_threads(),
         "device": device,
         "versions": {},
@@ -146,9 +149,14 @@ def environment(device: str) -> dict:
     return env
 
 
+def kernels_note(env: dict) -> str:
+    """", kernels AVX2 + AVX-VNNI (avx2-vnni)": which build of Linnet's CPU kernels ran (older records lack it)."""
+    return f", kernels {env['cpu_kernels']}" if env.get("cpu_kernels") else ""
+
+
 def describe(env: dict) -> str:
     """One line: the hardware, then the versions that matter."""
-    where = env.get("gpu") or f"{env['cpu']}, {env['threads']} threads"
+    where = env.get("gpu") or f"{env['cpu']}, {env['threads']} threads{kernels_note(env)}"
     names = {"linnet": "Linnet", "torch": "PyTorch", "transformers": "transformers", "jax": "JAX",
              "onnxruntime": "ONNX Runtime", "onnxruntime-gpu": "ONNX Runtime", "tensorrt": "TensorRT",
              "llama-cpp-python": "llama-cpp-python", "vllm": "vLLM", "sglang": "SGLang"}

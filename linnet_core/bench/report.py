@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .machine import describe
+from .machine import describe, kernels_note
 from .run import BenchResult
 from .subjects import BASELINE
 
@@ -84,7 +84,7 @@ def status_text(r: dict) -> str:
 
 
 def header(result: BenchResult) -> str:
-    where = result.env.get("gpu") or f"{result.env['cpu']} ({result.env['threads']} threads)"
+    where = result.env.get("gpu") or f"{result.env['cpu']} ({result.env['threads']} threads{kernels_note(result.env)})"
     stopped = "INTERRUPTED" if result.interrupted else "TIME LIMIT" if result.time_limited else None
     done = f" · {stopped} after {result.completed_runs} of {result.method.runs} runs" if stopped else ""
     return f"{result.model} · {result.dtype} · {where} · {result.method.describe()}{done}"

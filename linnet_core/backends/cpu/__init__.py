@@ -1,28 +1,41 @@
 """Linnet's own CPU kernels (csrc/*.cpp), built once per environment, and the Python side of each.
 
-One job per module: `build` compiles and imports the shared object, `selfcheck` holds it against the
-generated step's own ops, `extension` hands out the checked build and its thin wrappers,
-`step_kernels` carries the small-op kernels a step receives, `linears` wraps linear weights.
-The ISA-specific work (which flags, which sources) lives in `build`.
+One job per module: `build` picks the ISA level and compiles and imports the shared object,
+`selfcheck` holds it against the generated step's own ops, `extension` hands out the checked build
+and its thin wrappers, `step_kernels` carries the small-op kernels a step receives, `linears` wraps
+linear weights.
+
+Every kernel's arithmetic is written once, against `csrc/vec.h`: a float vector of the level's width
+and the few operations the kernels use (loads and stores of float32/bfloat16/float16 rounding as
+.to() does, FMA, reductions, exp, and the 8-row int8 block sums). The same sources are compiled once
+per level with that level's flags, and the highest level this CPU runs is loaded, as ATen and ggml
+dispatch (`LINNET_CPU_LEVEL` forces a lower one):
+
+- `avx512`: AVX-512 F/BW/VL with BF16 and VNNI (Intel since Cooper Lake, AMD since Zen 4);
+- `avx2-vnni`: AVX2 + FMA + F16C with AVX-VNNI (Intel client CPUs since Alder Lake);
+- `avx2`: AVX2 + FMA + F16C, the x86-64 floor (AMD before Zen 4, older Intel);
+- `neon-dotprod-bf16`, `neon-dotprod`, `neon`: ARM64 with the dot-product and bf16 extensions
+  (Graviton 3 and later, Ampere Altra's dotprod), or plain NEON.
 
 The kernels:
 
-- `gemv_bf16`, `gemv_f16`: 16-bit matrix-vector products for one or two token rows. At batch 1 a
+- `gemv_bf16`, `gemv_f16`, `gemv_f32`: matrix-vector products for one or two token rows. At batch 1 a
   decode step reads every weight once; these stream it one weight row at a time (a plain read's
-  speed), bfloat16 with AVX-512 BF16's dot product as ggml's, float16 widened to float32 in registers.
+  speed), bfloat16 with the ISA's pair dot product as ggml's (AVX-512 BF16, ARM bf16; widened
+  elsewhere), float16 widened to float32 in registers.
 - `quant_linear`: activations times weights held as GGUF q8_0 / q4_0 blocks (quant.py), as llama.cpp
-  multiplies them: activations rounded to int8 blocks, int32 block sums by AVX-512 VNNI, over
+  multiplies them: activations rounded to int8 blocks, int32 block sums by VNNI (AVX2's vpmaddubsw, ARM's sdot), over
   blocks repacked once at load (8 rows interleaved). A float32 path (dequantizing in registers,
   row by row) streamed q4_0 at 15.6 GB/s on this machine class; this one 36-47, a plain read of
   memory's speed (`bench/quant_gemv.py`), and prompts run 2.7x faster than float32 F.linear.
 - `gemm_f16`: float16 prompts in register tiles, the weights widened in registers as llama.cpp's
   tinyBLAS does (2x MKL's float32 GEMM over widened copies, ~7x PyTorch's CPU float16 GEMM).
-- `repack_f16_rows8`, `packed_half_linear`: float16 weights copied once at load 8 rows interleaved,
-  decode's GEMV widening x once for 8 rows in one stream (~16% faster than the row kernel at
-  Qwen3-4B's shapes) and the prompt tiles over the same layout; a head tied to the token table
-  keeps the row layout and the kernels above.
+- `repack_rows8_float`, `packed_float_linear`: float16 and float32 weights copied once at load 8 rows
+  interleaved, decode's GEMV loading x once for 8 rows in one stream (~16% faster than the row kernel
+  at Qwen3-4B's shapes) and the prompt tiles over the same layout; a head tied to the token table
+  keeps the row layout and `row_linear`.
 - `ops.cpp`: the kernels as C++ operators (`torch.ops.linnet_kernels.*`) for compiled steps, and
-  `half_linear`, float16's choice between the GEMV and the GEMM.
+  `row_linear`, the row layout's choice between the GEMV and a GEMM.
 - `decode_attention`: one-token queries over the KV cache in place (float32, float16, bfloat16),
   where the generic path copies each row's keys and values and calls SDPA (~6x slower at
   Qwen3-4B's shapes, measured on a cold cache as in a step).
@@ -33,7 +46,7 @@ The kernels:
 - `attention_block.cpp`: a decode step's attention block (split into heads, q/k norms, rope, cache
   write, decode attention) in one call composing the kernels above.
 Built with torch's C++ extension builder (g++ and ninja, ~100 s on 2 cores) into ~/.cache/linnet/kernels (or
-$LINNET_KERNELS), keyed by the PyTorch install and the sources, checked against the generic ops,
-and used only where the CPU has AVX-512 BF16 and VNNI; anything missing means the generic ops as before,
-never an error. `LINNET_DECODE_KERNELS=0` turns them off.
+$LINNET_KERNELS), keyed by the level, its flags, the PyTorch install and the sources, and checked
+against the generic ops; below the floor (or with no compiler) the generic ops serve as before, said
+once. `LINNET_DECODE_KERNELS=0` turns them off.
 """

@@ -4,22 +4,35 @@ it (`decode_linear`, `repack`, `quant_linear`). Anything missing means the gener
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
 
-from .build import QUANT_CODES, build_extension, register_fakes, unusable
+from .build import QUANT_CODES, KernelBuildNotice, build_extension, chosen_level, register_fakes, unusable
 from .selfcheck import self_check
 
 
 @functools.lru_cache(maxsize=None)
 def _loaded():
-    """(the built extension, None) or (None, why not); built and checked once."""
+    """(the built extension, None) or (None, why not); built and checked once, and where there is none
+    the first use says why, once. A LINNET_CPU_LEVEL this CPU cannot run raises BackendUnavailable (one
+    line from the CLI), never a quiet fallback."""
+    ext, why = _build_and_check()
+    if why and not why.startswith("turned off"):
+        warnings.warn(f"Linnet's CPU kernels do not run here: {why}", KernelBuildNotice, stacklevel=3)
+    return ext, why
+
+
+def _build_and_check():
     why = unusable()
     if why:
         return None, why
+    level = chosen_level()
     try:
-        ext = build_extension()
+        ext = build_extension(level)
+        if ext.level() != level.name:  # the flags and vec.h's choice disagree: a build for another CPU
+            return None, f"the build for {level.name} compiled as {ext.level()}"
         why = self_check(ext)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the generic ops serve
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
@@ -33,6 +46,12 @@ def _loaded():
 def extension():
     """The built extension (`gemv_bf16`, `decode_attention`), or None (and `why_not()` says why)."""
     return _loaded()[0]
+
+
+def level() -> str:
+    """The level of the running build ("avx2-vnni"), or "" where there is none."""
+    ext = extension()
+    return ext.level() if ext is not None else ""
 
 
 def why_not() -> str:

@@ -55,7 +55,7 @@ _NO_TENSOR = torch.empty(0)
 _active = threading.local()  # the kernels of the session whose compiled step runs in this thread
 
 # csrc/ops.cpp's kinds
-NATIVE_NONE, NATIVE_BF16, NATIVE_BLOCKS, NATIVE_TABLE, NATIVE_F16, NATIVE_F16_PACKED = 0, 1, 2, 3, 4, 5
+NATIVE_NONE, NATIVE_BF16, NATIVE_BLOCKS, NATIVE_TABLE, NATIVE_ROW, NATIVE_PACKED = 0, 1, 2, 3, 4, 5
 
 
 class Kernels(list):
@@ -158,32 +158,33 @@ class DecodeLinear(CpuLinear):
         return self.native_kind, self.weight, 0
 
 
-class HalfLinear(DecodeLinear):
-    """A float16 weight kept as mapped (no copy): Linnet's GEMV for decode and its tiled GEMM for
-    prompts, both widening the weights in registers (PyTorch's CPU float16 GEMM ran ~7x slower at
-    Qwen3-4B's shapes)."""
+class RowLinear(DecodeLinear):
+    """A float16 or float32 weight kept as mapped (no copy; a head tied to the token table): Linnet's
+    GEMV for decode, and for float16 prompts its tiled GEMM, both widening the weights in registers
+    (PyTorch's CPU float16 GEMM ran ~7x slower at Qwen3-4B's shapes)."""
 
-    native_kind = NATIVE_F16
+    native_kind = NATIVE_ROW
 
     def eager(self, x, bias):
-        y = extension.extension().half_linear(x, self.weight)
+        y = extension.extension().row_linear(x, self.weight)
         return y if bias is None else y + bias
 
 
-class PackedHalfLinear(CpuLinear):
-    """A float16 weight repacked once, 8 rows interleaved (a copy in 2 MiB pages, the mapped original
-    released): one stream per thread that widens each 16 of x once for 8 rows, a GEMV 16% faster
-    than the row-at-a-time one at Qwen3-4B's shapes; the same layout's register tiles for prompts."""
+class PackedFloatLinear(CpuLinear):
+    """A float16 or float32 weight repacked once, 8 rows interleaved (a copy in 2 MiB pages, the mapped
+    original released): one stream per thread that loads each 16 of x once for 8 rows, a GEMV 16%
+    faster than the row-at-a-time one for float16 at Qwen3-4B's shapes; the same layout's register
+    tiles for prompts."""
 
     def __init__(self, weight: torch.Tensor, handle: int):
         super().__init__(weight, handle)
-        self.packed = extension.extension().repack_f16_rows8(weight)
+        self.packed = extension.extension().repack_rows8_float(weight)
 
     def eager(self, x, bias):
-        y = extension.extension().packed_half_linear(x, self.packed, self.out_features)
+        y = extension.extension().packed_float_linear(x, self.packed, self.out_features)
         return y if bias is None else y + bias
 
-    native_kind = NATIVE_F16_PACKED
+    native_kind = NATIVE_PACKED
 
     def native(self):
         return self.native_kind, self.packed, 0
@@ -224,13 +225,14 @@ class QuantTable:
 
 
 def linear_kernel(dtype: torch.dtype) -> type[CpuLinear] | None:
-    """The kernel class for linear weights of `dtype` on this CPU: Linnet's own (bf16 GEMV, float16
-    GEMV and tiled GEMM) where they build and run, else oneDNN's packed weights where
-    they run, else none (F.linear)."""
-    if dtype == torch.bfloat16 and extension.extension() is not None:
-        return DecodeLinear
-    if dtype == torch.float16 and extension.extension() is not None:
-        return HalfLinear
+    """The kernel class for linear weights of `dtype` on this CPU: Linnet's own (bf16 GEMV; float16
+    and float32 GEMVs and register tiles) where they build and run, else oneDNN's packed weights
+    where they run, else none (F.linear)."""
+    if extension.extension() is not None:
+        if dtype == torch.bfloat16:
+            return DecodeLinear
+        if dtype in (torch.float16, torch.float32):
+            return PackedFloatLinear
     return PackedLinear if packing_works(dtype) else None
 
 
@@ -257,10 +259,10 @@ def pack_linear_weights(weights: dict, names: dict[str, list[str]], pack: bool =
                     release(prefix + name)
             elif name in linear_names and kind is not None:
                 w = group[name]
-                packable = kind is HalfLinear and w.shape[-1] % 16 == 0 and w.data_ptr() not in tables
-                wrap = PackedHalfLinear if packable else kind
+                repackable = w.shape[-1] % 16 == 0 and w.data_ptr() not in tables
+                wrap = kind if repackable or kind is not PackedFloatLinear else RowLinear  # as mapped: no copy
                 group[name] = wrap(w, len(kernels))
-                if wrap in (PackedLinear, PackedHalfLinear):
+                if wrap in (PackedLinear, PackedFloatLinear):
                     release(prefix + name)
             else:
                 continue

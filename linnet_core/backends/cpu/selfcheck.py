@@ -97,9 +97,9 @@ def self_check(ext) -> str | None:
     for rows in (1, 2, 7):
         xh = torch.randn(rows, 80, generator=g).half()
         want = F.linear(xh.float(), wh.float())
-        if not torch.allclose(ext.half_linear(xh, wh).float(), want, atol=5e-2, rtol=5e-3):
+        if not torch.allclose(ext.row_linear(xh, wh).float(), want, atol=5e-2, rtol=5e-3):
             return "its float16 linear disagreed with F.linear"
-        if not torch.allclose(ext.packed_half_linear(xh, ext.repack_f16_rows8(wh), 50).float(), want, atol=5e-2, rtol=5e-3):
+        if not torch.allclose(ext.packed_float_linear(xh, ext.repack_rows8_float(wh), 50).float(), want, atol=5e-2, rtol=5e-3):
             return "its packed float16 linear disagreed with F.linear"
     for fmt in QUANT_CODES:
         for rows in (1, 3, 5, 11):  # token rows in and past one register pass; 43 rows: a padded group

@@ -6,6 +6,7 @@ from __future__ import annotations
 from rich.markup import escape
 from rich.table import Table
 
+from ..machine import describe
 from .result import ServingResult, TargetRow
 
 COLUMNS = (("output tok/s", "output_tok_s", "{:,.1f}"), ("speed-up", "speedup", "{:.2f}×"),
@@ -35,7 +36,7 @@ def header(result: ServingResult) -> str:
 
 
 def markdown(result: ServingResult) -> str:
-    lines = [f"**{header(result)}**", "", "| target | " + " | ".join(c[0] for c in COLUMNS) + " |",
+    lines = [f"**{header(result)}**", "", describe(result.env), "", "| target | " + " | ".join(c[0] for c in COLUMNS) + " |",
              "|---|" + "---:|" * len(COLUMNS)]
     for r in result.targets:
         lines.append(f"| {r.label} | " + " | ".join(cell(r, k, f) for _, k, f in COLUMNS) + " |")
@@ -62,7 +63,8 @@ def notes(rows: list[TargetRow]) -> list[str]:
 
 
 def rich_table(result: ServingResult) -> Table:
-    table = Table(title=escape(header(result)), title_justify="left")
+    table = Table(title=escape(header(result)), title_justify="left", caption=escape(describe(result.env)),
+                  caption_justify="left")
     table.add_column("target", no_wrap=True)
     for name, _, _ in COLUMNS:
         table.add_column(name, justify="right", no_wrap=True)

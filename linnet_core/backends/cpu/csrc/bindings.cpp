@@ -1,12 +1,15 @@
-// Linnet's CPU decode kernels as one extension module (see decode_kernels.py).
+// Linnet's CPU kernels as one extension module (see __init__.py), built once per ISA level (build.py).
 #include <torch/extension.h>
+
+#include "vec.h"
 
 torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor gemv_f16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor gemm_f16(const torch::Tensor& x, const torch::Tensor& w);
-torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& w);
-torch::Tensor repack_f16_rows8(const torch::Tensor& w);
-torch::Tensor packed_half_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N);
+torch::Tensor row_linear(const torch::Tensor& x, const torch::Tensor& w);
+torch::Tensor gemv_f32(const torch::Tensor& x, const torch::Tensor& w);
+torch::Tensor repack_rows8_float(const torch::Tensor& w);
+torch::Tensor packed_float_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N);
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                int64_t layer, const torch::Tensor& slots, const torch::Tensor& pos, int64_t window,
@@ -34,13 +37,15 @@ void release_kernels(int64_t session);
 int64_t activate(int64_t session);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("level", &linnet::level_name, "the ISA level this build was compiled for");
   m.def("gemv_bf16", &gemv_bf16, "bf16 x [M<=2, K] @ w [N, K].T");
   m.def("gemv_f16", &gemv_f16, "f16 x [M<=2, K] @ w [N, K].T, float32 inside");
   m.def("gemm_f16", &gemm_f16, "f16 x [..., K] @ w [N, K].T, register tiles widening w, float32 inside");
   m.def("bf16_linear", &bf16_linear, "bf16 x [..., K] @ w [N, K].T: the GEMV for 1-2 rows, F.linear otherwise");
-  m.def("half_linear", &half_linear, "f16 x [..., K] @ w [N, K].T: the GEMV for 1-2 rows, the tiled GEMM for prompts");
-  m.def("repack_f16_rows8", &repack_f16_rows8, "f16 w [N, K] -> [ceil(N/8), K/16, 8, 16]: 8 rows interleaved (a copy)");
-  m.def("packed_half_linear", &packed_half_linear, "f16 x [..., K] @ W.T, W [N, K] from repack_f16_rows8: N given");
+  m.def("row_linear", &row_linear, "f16/f32 x [..., K] @ w [N, K].T: the GEMV for 1-2 rows, a GEMM for prompts");
+  m.def("gemv_f32", &gemv_f32, "f32 x [M<=2, K] @ w [N, K].T");
+  m.def("repack_rows8_float", &repack_rows8_float, "f16/f32 w [N, K] -> [ceil(N/8), K/16, 8, 16]: 8 rows interleaved (a copy)");
+  m.def("packed_float_linear", &packed_float_linear, "f16/f32 x [..., K] @ W.T, W [N, K] from repack_rows8_float: N given");
   m.def("quant_linear", &quant_linear, "float32 x [..., K] @ W.T, W [N, K] as q8_0 (0) / q4_0 (1) blocks from repack_rows8");
   m.def("repack_rows8", &repack_rows8, "GGUF q8_0 (0) / q4_0 (1) blocks [N, K/32*bb] -> 8 rows interleaved per block");
   m.def("huge_page_zeros", &huge_page_zeros, "zeros in 2 MiB pages, as repacked weights are held");

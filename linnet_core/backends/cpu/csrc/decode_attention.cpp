@@ -6,20 +6,15 @@
 // softmax numerators that multiply the values), so both round alike.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
-#include "simd.h"
+#include "vec.h"
 
 #include <limits>
 #include <vector>
 
 namespace {
 
-using linnet::exp16;
-using linnet::load16;
-using linnet::rounded;
-using linnet::store16;
-using linnet::tail;
+using namespace linnet;
 
 // GB query heads (qf [GB, D], scaled) over n keys and values [n, D] -> out [GB, D] in T. Each key
 // and value is loaded once for the GB heads, whose dot products and weighted sums stay in registers
@@ -28,47 +23,58 @@ template <typename T, int GB>
 void heads(const float* qf, const T* keys, const T* values, int64_t n, int64_t D, float* scores, T* out) {
   for (int64_t s = 0; s < n; ++s) {  // scores [GB, n]
     const T* key = keys + s * D;
-    __m512 dot[GB];
-    for (int g = 0; g < GB; ++g) dot[g] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < D; i += 16) {
-      const __m512 k = load16(key + i);
-      for (int g = 0; g < GB; ++g) dot[g] = _mm512_fmadd_ps(load16(qf + g * D + i), k, dot[g]);
+    Vf dot[GB];
+    for (int g = 0; g < GB; ++g) dot[g] = zero();
+    for (int64_t i = 0; i < D; i += kW) {
+      const Vf k = load(key + i);
+      for (int g = 0; g < GB; ++g) dot[g] = fma(load(qf + g * D + i), k, dot[g]);
     }
-    for (int g = 0; g < GB; ++g) scores[g * n + s] = _mm512_reduce_add_ps(dot[g]);
+    for (int g = 0; g < GB; ++g) scores[g * n + s] = reduce_add(dot[g]);
   }
   float total[GB];
-  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const float lowest = -std::numeric_limits<float>::infinity();
   for (int g = 0; g < GB; ++g) {  // softmax numerators over the n keys, the sum kept apart
     float* row = scores + g * n;
-    __m512 top = lowest;
-    for (int64_t s = 0; s < n; s += 16) top = _mm512_max_ps(top, _mm512_mask_loadu_ps(lowest, tail(n - s), row + s));
-    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t s = 0; s < n; s += 16) {
-      const __mmask16 m = tail(n - s);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + s), max));
-      sum = _mm512_mask_add_ps(sum, m, sum, e);
-      _mm512_mask_storeu_ps(row + s, m, rounded(e, (T*)nullptr));  // SDPA's CPU kernel multiplies values by numerators in T
+    Vf top = set1(lowest);
+    int64_t s = 0;
+    for (; s + kW <= n; s += kW) top = max(top, load(row + s));
+    float best = reduce_max(top);
+    for (; s < n; ++s) best = std::max(best, row[s]);
+    const Vf top_v = set1(best);
+    Vf sum = zero();
+    for (s = 0; s + kW <= n; s += kW) {
+      const Vf e = exp(sub(load(row + s), top_v));
+      sum = add(sum, e);
+      store(row + s, rounded(e, (T*)nullptr));  // SDPA's CPU kernel multiplies values by numerators in T
     }
-    total[g] = _mm512_reduce_add_ps(sum);
+    if (s < n) {  // the last n % kW through one vector padded with -inf (numerators 0): the same exponential
+      float last[kW];
+      for (int64_t l = 0; l < kW; ++l) last[l] = s + l < n ? row[s + l] : lowest;
+      const Vf e = exp(sub(load(last), top_v));
+      sum = add(sum, e);
+      store(last, rounded(e, (T*)nullptr));
+      for (int64_t l = 0; s + l < n; ++l) row[s + l] = last[l];
+    }
+    total[g] = reduce_add(sum);
   }
-  for (int64_t i = 0; i < D; i += 32) {  // a cache line of each value row at a time: two vectors a head
-    const bool pair = i + 16 < D;
-    __m512 lo[GB], hi[GB];
-    for (int g = 0; g < GB; ++g) lo[g] = hi[g] = _mm512_setzero_ps();
+  constexpr int64_t LINE = 2 * kW;  // two vectors of each value row at a time
+  for (int64_t i = 0; i < D; i += LINE) {
+    const bool pair = i + kW < D;
+    Vf lo[GB], hi[GB];
+    for (int g = 0; g < GB; ++g) lo[g] = hi[g] = zero();
     for (int64_t s = 0; s < n; ++s) {
       const T* value = values + s * D + i;
-      const __m512 v0 = load16(value), v1 = pair ? load16(value + 16) : v0;
+      const Vf v0 = load(value), v1 = pair ? load(value + kW) : v0;
       for (int g = 0; g < GB; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * n + s]);
-        lo[g] = _mm512_fmadd_ps(p, v0, lo[g]);
-        hi[g] = _mm512_fmadd_ps(p, v1, hi[g]);
+        const Vf p = set1(scores[g * n + s]);
+        lo[g] = fma(p, v0, lo[g]);
+        hi[g] = fma(p, v1, hi[g]);
       }
     }
     for (int g = 0; g < GB; ++g) {
-      const __m512 sum = _mm512_set1_ps(total[g]);
-      store16(out + g * D + i, _mm512_div_ps(lo[g], sum));
-      if (pair) store16(out + g * D + i + 16, _mm512_div_ps(hi[g], sum));
+      const Vf sum = set1(total[g]);
+      store(out + g * D + i, div(lo[g], sum));
+      if (pair) store(out + g * D + i + kW, div(hi[g], sum));
     }
   }
 }
@@ -86,8 +92,8 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots
       // [S, D] keys and values of (layer, slot, kv head h), from position lo
       const int64_t base = ((layer * rows + slots[b]) * KV + h) * S * D + lo * D;
       const T* qb = q + (b * H + h * G) * D;  // [G, D]
-      for (int64_t i = 0; i < G * D; i += 16)
-        store16(qf.data() + i, _mm512_mul_ps(load16(qb + i), _mm512_set1_ps(static_cast<float>(scale))));
+      for (int64_t i = 0; i < G * D; i += kW)
+        store(qf.data() + i, mul(load(qb + i), set1(static_cast<float>(scale))));
       scores.resize(4 * n);
       T* ob = out + (b * H + h * G) * D;
       for (int64_t g = 0; g < G; g += 4) {  // up to four heads at a time (registers: 8 sums a head)

@@ -14,7 +14,8 @@
 torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor gemv_f16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor gemm_f16(const torch::Tensor& x, const torch::Tensor& w);
-torch::Tensor packed_half_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N);
+torch::Tensor gemv_f32(const torch::Tensor& x, const torch::Tensor& w);
+torch::Tensor packed_float_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N);
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t out_features);
 torch::Tensor dequant_rows(const torch::Tensor& blocks, const torch::Tensor& ids, int64_t fmt);
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -23,12 +24,13 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 
 namespace {
 
-// NONE: a kernel of the Python side (oneDNN's); TABLE: a token table's plain blocks; F16_PACKED: from repack_f16_rows8
-enum Kind : int64_t { NONE = 0, BF16 = 1, BLOCKS = 2, TABLE = 3, F16 = 4, F16_PACKED = 5 };
+// NONE: a kernel of the Python side (oneDNN's); TABLE: a token table's plain blocks; PACKED: float16 or
+// float32 from repack_rows8_float
+enum Kind : int64_t { NONE = 0, BF16 = 1, BLOCKS = 2, TABLE = 3, ROW = 4, PACKED = 5 };
 
 struct Kernel {
   int64_t kind;
-  torch::Tensor weight;  // bf16 / f16 [N, K], blocks from repack_rows8 or repack_f16_rows8, or a table's blocks as stored
+  torch::Tensor weight;  // bf16 / f16 [N, K], blocks from repack_rows8 or repack_rows8_float, or a table's blocks as stored
   int64_t fmt;           // BLOCKS: quant_linear's format code
 };
 
@@ -47,12 +49,14 @@ const Kernel& kernel(int64_t handle, std::initializer_list<int64_t> kinds) {
 
 }  // namespace
 
-// x [..., K] @ w.T for float16 w [N, K]: Linnet's GEMV for decode's one or two rows, its tiled GEMM
-// for prompts (2x MKL's float32 GEMM over widened copies of w, ~7x PyTorch's CPU float16 GEMM), both
-// widening w in registers; PyTorch's kernel where K is not a multiple of 16.
-torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& w) {
+// x [..., K] @ w.T for float16 or float32 w [N, K] in its row layout (a head tied to the token table):
+// Linnet's GEMV for decode's one or two rows; for float16 prompts its tiled GEMM (2x MKL's float32
+// GEMM over widened copies, ~7x PyTorch's CPU float16 GEMM), for float32 ones ATen's; ATen's where K
+// is not a multiple of 16.
+torch::Tensor row_linear(const torch::Tensor& x, const torch::Tensor& w) {
   const int64_t K = x.size(-1), rows = x.numel() / K;
-  if (K % 16 != 0 || rows == 0) return at::linear(x, w);
+  if (K % 16 != 0 || rows == 0 || x.scalar_type() != w.scalar_type()) return at::linear(x, w);
+  if (w.scalar_type() == at::kFloat) return rows <= 2 ? gemv_f32(x, w) : at::linear(x, w);
   return rows <= 2 ? gemv_f16(x, w) : gemm_f16(x, w);
 }
 
@@ -66,14 +70,14 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w) {
 namespace {
 
 torch::Tensor linear(const torch::Tensor& x, int64_t handle, int64_t out_features, const c10::optional<torch::Tensor>& bias) {
-  const Kernel& k = kernel(handle, {BLOCKS, BF16, F16, F16_PACKED});
+  const Kernel& k = kernel(handle, {BLOCKS, BF16, ROW, PACKED});
   torch::Tensor y;
   if (k.kind == BLOCKS) {
     y = quant_linear(x, k.weight, k.fmt, out_features);
-  } else if (k.kind == F16_PACKED) {
-    y = packed_half_linear(x, k.weight, out_features);
-  } else if (k.kind == F16) {
-    y = half_linear(x, k.weight);
+  } else if (k.kind == PACKED) {
+    y = packed_float_linear(x, k.weight, out_features);
+  } else if (k.kind == ROW) {
+    y = row_linear(x, k.weight);
   } else {
     y = bf16_linear(x, k.weight);
   }

@@ -1,7 +1,8 @@
 // y [M, N] = x [M, K] @ W.T, W [N, K] GGUF q8_0 / q4_0 blocks (quant.py), computed as llama.cpp
 // computes it: the activations rounded to int8 blocks of 32 (a float32 scale amax / 127, half away
-// from zero: quant.int8_blocks gives the same values), each block's products summed in int32 by
-// AVX-512 VNNI's u8 x s8 dot product, then scaled by both blocks' scales in float32. The int32 sums
+// from zero: quant.int8_blocks gives the same values), each block's products summed in int32 by the
+// ISA's int8 dot product (vec.h: VNNI's u8 x s8, AVX2's vpmaddubsw, ARM's sdot), then scaled by both
+// blocks' scales in float32. The int32 sums
 // are exact, so the result differs from a float32 matmul of the rounded activations and the
 // dequantized weights only in the float summation order.
 //
@@ -12,11 +13,12 @@
 // does. q8_0's quants are stored 128 above their value (the sign bit flipped) so both formats feed
 // VNNI's u8 operand straight from memory and subtract the offset once per block, as q4_0's nibbles
 // (8 above) always did: a third fewer vector ops a block than signing each operand, and ~10% faster
-// over a decode step's weights. One register kernel serves decode and prompts: each group of 8 rows
+// over a decode step's weights. The stored blocks are the same on every level. One register kernel serves decode and prompts: each group of 8 rows
 // is run against every token row while its blocks sit in L1.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+
+#include "vec.h"
 
 torch::Tensor huge_page_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
 
@@ -42,29 +44,22 @@ struct Acts {
   int64_t K;
 };
 
-inline __m512 round_half_away(__m512 v) {  // as C's roundf: floor(|v|) + floor(2 * frac), signed
-  const __m512 a = _mm512_abs_ps(v);
-  const __m512 f = _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 frac2 = _mm512_add_ps(_mm512_sub_ps(a, f), _mm512_sub_ps(a, f));
-  const __m512 r = _mm512_add_ps(f, _mm512_roundscale_ps(frac2, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r),
-                                             _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN))));
-}
-
-inline __m128i to_int8(__m512 v) { return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(round_half_away(v))); }
+using namespace linnet;
 
 void quantize_acts(const float* x, int64_t blocks, int32_t offset, int8_t* q, float* d, int32_t* corr) {
   at::parallel_for(0, blocks, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {  // row m's block b is i = m * nb + b: rows are contiguous
-      const __m512 lo = _mm512_loadu_ps(x + i * BLOCK), hi = _mm512_loadu_ps(x + i * BLOCK + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      const float scale = amax / 127.0f;
-      const __m512 inv = _mm512_set1_ps(scale == 0.0f ? 0.0f : 1.0f / scale);
-      const __m128i qlo = to_int8(_mm512_mul_ps(lo, inv)), qhi = to_int8(_mm512_mul_ps(hi, inv));
-      _mm_storeu_si128((__m128i*)(q + i * BLOCK), qlo);
-      _mm_storeu_si128((__m128i*)(q + i * BLOCK + 16), qhi);
+      const float* xb = x + i * BLOCK;
+      Vf top = zero();
+      for (int64_t j = 0; j < BLOCK; j += kW) top = max(top, abs(load(xb + j)));
+      const float scale = reduce_max(top) / 127.0f;
+      const Vf inv = set1(scale == 0.0f ? 0.0f : 1.0f / scale);
+      int8_t* qb = q + i * BLOCK;
+      for (int64_t j = 0; j < BLOCK; j += kW) store_i8(qb + j, round_half_away(mul(load(xb + j), inv)));
+      int32_t sum = 0;
+      for (int64_t j = 0; j < BLOCK; ++j) sum += qb[j];
       d[i] = scale;
-      corr[i] = -offset * _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_cvtepi8_epi32(qlo), _mm512_cvtepi8_epi32(qhi)));
+      corr[i] = -offset * sum;
     }
   });
 }
@@ -76,30 +71,18 @@ template <int64_t F>
 inline void group_dot(const Acts& a, int64_t m0, int MM, const uint8_t* g, int64_t nb, float* y, int64_t N,
                       int64_t valid) {
   constexpr int64_t gbytes = ROWS * (F == Q8_0 ? 34 : 18);
-  __m256 acc[MAX_M];
-  for (int m = 0; m < MAX_M; ++m) acc[m] = _mm256_setzero_ps();
+  F8 acc[MAX_M];
+  for (int m = 0; m < MAX_M; ++m) acc[m] = f8_zero();
   for (int64_t b = 0; b < nb; ++b, g += gbytes) {
-    const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
-    __m256i w[8];  // u8, `offset` above each weight's value
-    if constexpr (F == Q4_0) {
-      for (int c = 0; c < 4; ++c) {
-        const __m256i packed = _mm256_loadu_si256((const __m256i*)(g + 16 + 32 * c));
-        w[c] = _mm256_and_si256(packed, _mm256_set1_epi8(0x0F));
-        w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F));
-      }
-    } else {
-      for (int c = 0; c < 8; ++c) w[c] = _mm256_loadu_si256((const __m256i*)(g + 16 + 32 * c));
-    }
+    const F8 wd = f8_halves(g);  // the 8 rows' scales
+    const Q8 w = F == Q4_0 ? load_q4(g + 16) : load_q8(g + 16);
     for (int m = 0; m < MM; ++m) {
       const int64_t i = (m0 + m) * nb + b;
-      const int32_t* xq = (const int32_t*)(a.q + i * BLOCK);  // 4 activations per 32-bit word
-      __m256i s = _mm256_set1_epi32(a.corr[i]);
-      for (int c = 0; c < 8; ++c) s = _mm256_dpbusd_epi32(s, w[c], _mm256_set1_epi32(xq[c]));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(wd, _mm256_set1_ps(a.d[i])), acc[m]);
+      const S8 s = sums<F == Q4_0>(w, a.q + i * BLOCK, a.corr[i]);
+      acc[m] = f8_fma(f8_from(s), f8_mul(wd, f8_set1(a.d[i])), acc[m]);
     }
   }
-  const __mmask8 keep = (__mmask8)((1u << valid) - 1);  // a last group padded past N
-  for (int m = 0; m < MM; ++m) _mm256_mask_storeu_ps(y + (m0 + m) * N, keep, acc[m]);
+  for (int m = 0; m < MM; ++m) f8_store(y + (m0 + m) * N, acc[m], valid);  // a last group padded past N
 }
 
 template <int64_t F>
@@ -157,20 +140,18 @@ torch::Tensor dequant_rows(const torch::Tensor& blocks, const torch::Tensor& ids
   for (int64_t i = 0; i < n; ++i)
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = base + idp[i] * blocks.size(1) + b * block_bytes(fmt);
-      uint16_t h;
+      at::Half h;
       std::memcpy(&h, blk, 2);
-      const __m512 d = _mm512_set1_ps(_cvtsh_ss(h));
-      __m512i lo, hi;
+      const float d = to_f32(h);
+      float* row = o + i * K + b * BLOCK;
       if (fmt == Q8_0) {
-        lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 2)));
-        hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 18)));
+        for (int64_t j = 0; j < BLOCK; ++j) row[j] = static_cast<float>(static_cast<int8_t>(blk[2 + j])) * d;
       } else {  // byte j: weight j in the low nibble, weight j + 16 in the high one; offset 8
-        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 2)));
-        lo = _mm512_sub_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), _mm512_set1_epi32(8));
-        hi = _mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), _mm512_set1_epi32(8));
+        for (int64_t j = 0; j < BLOCK / 2; ++j) {
+          row[j] = static_cast<float>((blk[2 + j] & 0x0F) - 8) * d;
+          row[j + BLOCK / 2] = static_cast<float>((blk[2 + j] >> 4) - 8) * d;
+        }
       }
-      _mm512_storeu_ps(o + i * K + b * BLOCK, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d));
-      _mm512_storeu_ps(o + i * K + b * BLOCK + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d));
     }
   auto sizes = ids.sizes().vec();
   sizes.push_back(K);

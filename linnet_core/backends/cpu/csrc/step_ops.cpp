@@ -7,9 +7,8 @@
 // order of RMSNorm's float32 sum).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
-#include "simd.h"
+#include "vec.h"
 
 #include <cmath>
 #include <cstring>
@@ -18,12 +17,7 @@
 
 namespace {
 
-using linnet::exp16;
-using linnet::from_f32;
-using linnet::load16;
-using linnet::rounded;
-using linnet::store16;
-using linnet::to_f32;
+using namespace linnet;
 
 template <typename T>
 inline T* ptr(const torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
@@ -52,24 +46,27 @@ Rows rows_of(const torch::Tensor& x) {
   return r;
 }
 
-constexpr int LANES = 16;  // partial sums per row: one AVX-512 register, as ATen's vectorized sum
+constexpr int LANES = 16;  // partial sums per row: 16 / kW vectors (one AVX-512 register)
 
 // Lane l sums the squares of x[j] for j = l mod 16 in order, and the lanes are added 0..15: the
-// order the scalar loop of an earlier version kept, so the vector loop rounds as it did.
+// order the scalar loop of an earlier version kept, so every level's vector loop rounds as it did.
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, const Rows& r, float eps) {
+  constexpr int V = LANES / kW;
   at::parallel_for(0, r.n, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
       const T* xi = x + r.offset(i);
       T* oi = out + i * r.d;
-      __m512 squares = _mm512_setzero_ps();
+      Vf squares[V];
+      for (int v = 0; v < V; ++v) squares[v] = zero();
       int64_t j = 0;
-      for (; j + LANES <= r.d; j += LANES) {
-        const __m512 v = load16(xi + j);
-        squares = _mm512_add_ps(squares, _mm512_mul_ps(v, v));
-      }
+      for (; j + LANES <= r.d; j += LANES)
+        for (int v = 0; v < V; ++v) {
+          const Vf x_v = load(xi + j + v * kW);
+          squares[v] = add(squares[v], mul(x_v, x_v));
+        }
       float lanes[LANES];
-      _mm512_storeu_ps(lanes, squares);
+      for (int v = 0; v < V; ++v) store(lanes + v * kW, squares[v]);
       for (; j < r.d; ++j) {
         const float v = to_f32(xi[j]);
         lanes[j % LANES] += v * v;
@@ -77,9 +74,9 @@ void rms_norm_rows(const T* x, const T* w, T* out, const Rows& r, float eps) {
       float sum = 0.f;
       for (int l = 0; l < LANES; ++l) sum += lanes[l];
       const float scale = 1.f / std::sqrt(sum / static_cast<float>(r.d) + eps);
-      const __m512 scales = _mm512_set1_ps(scale);
-      for (j = 0; j + LANES <= r.d; j += LANES)  // (x * scale) as T, times the weight in T
-        store16(oi + j, _mm512_mul_ps(load16(w + j), rounded(_mm512_mul_ps(load16(xi + j), scales), xi)));
+      const Vf scales = set1(scale);
+      for (j = 0; j + kW <= r.d; j += kW)  // (x * scale) as T, times the weight in T
+        store(oi + j, mul(load(w + j), rounded(mul(load(xi + j), scales), xi)));
       for (; j < r.d; ++j) oi[j] = from_f32<T>(to_f32(w[j]) * round_to<T>(to_f32(xi[j]) * scale));
     }
   });
@@ -115,11 +112,11 @@ namespace {
 template <typename T>
 inline void rotate(const T* xi, const T* c, const T* s, T* oi, int64_t j0, int64_t j1, int64_t shift, float sign) {
   int64_t j = j0;
-  const __m512 signs = _mm512_set1_ps(sign);
-  for (; j + 16 <= j1; j += 16) {
-    const __m512 a = rounded(_mm512_mul_ps(load16(xi + j), load16(c + j)), xi);
-    const __m512 b = rounded(_mm512_mul_ps(_mm512_mul_ps(signs, load16(xi + j + shift)), load16(s + j)), xi);
-    store16(oi + j, _mm512_add_ps(a, b));
+  const Vf signs = set1(sign);
+  for (; j + kW <= j1; j += kW) {
+    const Vf a = rounded(mul(load(xi + j), load(c + j)), xi);
+    const Vf b = rounded(mul(mul(signs, load(xi + j + shift)), load(s + j)), xi);
+    store(oi + j, add(a, b));
   }
   for (; j < j1; ++j) {
     const float a = round_to<T>(to_f32(xi[j]) * to_f32(c[j]));
@@ -230,10 +227,10 @@ void silu_rows(const T* x, T* out, const Rows& r, bool gated) {
     const T* ui = xi + r.d;
     T* oi = out + i * r.d;
     int64_t j = 0;
-    for (; j + 16 <= r.d; j += 16) {
-      const __m512 v = load16(xi + j);
-      const __m512 s = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), v))));
-      store16(oi + j, gated ? _mm512_mul_ps(rounded(s, xi), load16(ui + j)) : s);
+    for (; j + kW <= r.d; j += kW) {
+      const Vf v = load(xi + j);
+      const Vf s = div(v, add(set1(1.f), exp(neg(v))));
+      store(oi + j, gated ? mul(rounded(s, xi), load(ui + j)) : s);
     }
     for (; j < r.d; ++j) {
       const float v = to_f32(xi[j]), s = v / (1.f + std::exp(-v));
@@ -292,23 +289,23 @@ namespace {
 template <typename T>
 int64_t argmax_row(const T* x, int64_t n) {
   bool nan = false;
-  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  Vf top = set1(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
-  for (; i + 16 <= n && !nan; i += 16) {
-    const __m512 v = load16(x + i);
-    nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
-    top = _mm512_max_ps(top, v);
+  for (; i + kW <= n && !nan; i += kW) {
+    const Vf v = load(x + i);
+    nan = nan_bits(v) != 0;
+    top = max(top, v);
   }
-  float best = _mm512_reduce_max_ps(top);
+  float best = reduce_max(top);
   for (; i < n && !nan; ++i) {
     const float v = to_f32(x[i]);
     nan = std::isnan(v);
     best = std::max(best, v);
   }
-  const __m512 wanted = _mm512_set1_ps(best);
-  for (i = 0; i + 16 <= n; i += 16) {
-    const __m512 v = load16(x + i);
-    const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, wanted, _CMP_EQ_OQ);
+  const Vf wanted = set1(best);
+  for (i = 0; i + kW <= n; i += kW) {
+    const Vf v = load(x + i);
+    const uint32_t hit = nan ? nan_bits(v) : equal_bits(v, wanted);
     if (hit) return i + __builtin_ctz(hit);
   }
   for (; i < n; ++i) {
