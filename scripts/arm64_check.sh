@@ -30,7 +30,7 @@ setup() {
   mkdir -p "$ROOT/etc/ssl/certs"
   cp /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/ca-certificates.crt"
   chroot "$ROOT" /bin/sh -c "test -x /venv/bin/python || python3 -m venv /venv"
-  chroot "$ROOT" /venv/bin/pip install -q "$TORCH" numpy pytest ninja 'transformers>=4.56' typer rich filelock jinja2 \
+  chroot "$ROOT" /venv/bin/pip install -q "$TORCH" 'setuptools>=77' numpy pytest ninja 'transformers>=4.56' typer rich filelock jinja2 \
     huggingface_hub tokenizers
 }
 
