@@ -110,7 +110,7 @@ torch::Tensor gemv_f32(const torch::Tensor& x, const torch::Tensor& w) {
 // the block's rows from L1/L2.
 namespace {
 
-// accumulators + weights + a token vector fit the registers: 24 + 6 + 1 of 32, or 12 + 1 + 3 of 16
+// accumulators + token vectors + a weight vector fit the registers: 24 + 4 + 1 of 32, 12 + 3 + 1 of 16
 constexpr int64_t TILE_M = kRegs == 32 ? 4 : 3, TILE_N = kRegs == 32 ? 6 : 4;
 constexpr int64_t BLOCK_N = 48;  // weight rows a thread holds in cache while the token rows pass
 
@@ -119,12 +119,12 @@ void tile(const float* x, const at::Half* w, int64_t K, int64_t N, int64_t m0, i
   Vf acc[RM][RN];
   for (int i = 0; i < RM; ++i)
     for (int j = 0; j < RN; ++j) acc[i][j] = zero();
-  for (int64_t k = 0; k < K; k += kW) {
-    Vf wv[RN];
-    for (int j = 0; j < RN; ++j) wv[j] = load(w + (n0 + j) * K + k);
-    for (int i = 0; i < RM; ++i) {
-      const Vf xv = load(x + (m0 + i) * K + k);
-      for (int j = 0; j < RN; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
+  for (int64_t k = 0; k < K; k += kW) {  // RM token vectors held, one weight vector at a time: RM + 1 + RM x RN registers
+    Vf xv[RM];
+    for (int i = 0; i < RM; ++i) xv[i] = load(x + (m0 + i) * K + k);
+    for (int j = 0; j < RN; ++j) {
+      const Vf wv = load(w + (n0 + j) * K + k);
+      for (int i = 0; i < RM; ++i) acc[i][j] = fma(xv[i], wv, acc[i][j]);
     }
   }
   for (int i = 0; i < RM; ++i)
@@ -213,8 +213,8 @@ void packed_blocks(const W* x, const W* w, int64_t K, int64_t N, int64_t b0, int
 }
 
 // RM token rows of x32 [M, K] (float32) against 4 rows of a packed block (those from r0): RM x 4
-// accumulators, for prompts. Half a block a tile, so 6 token rows fit 32 registers and each weight
-// vector serves 6 FMAs (8 rows x 3 tokens ran ~5% slower than the unpacked tiles).
+// accumulators, for prompts. Half a block a tile, so 6 token rows fit 32 registers (3 fit 16) and
+// each weight vector serves 6 FMAs (8 rows x 3 tokens ran ~5% slower than the unpacked tiles).
 template <typename W, int RM>
 void packed_tile(const float* x, const W* block, int64_t K, int64_t N, int64_t m0, int64_t n0, int r0, W* y) {
   constexpr int RN = PACK / 2;
@@ -224,11 +224,11 @@ void packed_tile(const float* x, const W* block, int64_t K, int64_t N, int64_t m
   for (int64_t k = 0; k < K; k += CHUNK)
     for (int64_t part = 0; part < CHUNK; part += kW) {
       const W* wk = block + k * PACK + r0 * CHUNK + part;
-      Vf wv[RN];
-      for (int r = 0; r < RN; ++r) wv[r] = load(wk + r * CHUNK);
-      for (int i = 0; i < RM; ++i) {
-        const Vf xv = load(x + (m0 + i) * K + k + part);
-        for (int r = 0; r < RN; ++r) acc[i][r] = fma(xv, wv[r], acc[i][r]);
+      Vf xv[RM];  // RM token vectors held, one weight vector at a time: RM + 1 + 4 RM registers
+      for (int i = 0; i < RM; ++i) xv[i] = load(x + (m0 + i) * K + k + part);
+      for (int r = 0; r < RN; ++r) {
+        const Vf wv = load(wk + r * CHUNK);
+        for (int i = 0; i < RM; ++i) acc[i][r] = fma(xv[i], wv, acc[i][r]);
       }
     }
   for (int i = 0; i < RM; ++i)
@@ -242,8 +242,8 @@ void packed_tiles(const float* x, const W* block, int64_t K, int64_t N, int64_t 
   if (n0 + PACK / 2 < N) packed_tile<W, RM>(x, block, K, N, m0, n0, PACK / 2, y);
 }
 
-// 24 accumulators + 4 weight vectors + 1 token vector of 32 registers; 8 + 4 + 1 of 16
-constexpr int64_t PACKED_TILE_M = kRegs == 32 ? 6 : 2;
+// 24 accumulators + 6 token vectors + 1 weight vector of 32 registers; 12 + 3 + 1 of 16
+constexpr int64_t PACKED_TILE_M = kRegs == 32 ? 6 : 3;
 constexpr int64_t PACKED_BLOCKS_PER_TASK = 6;  // 48 weight rows a thread holds in cache while the token rows pass
 
 template <typename W>
