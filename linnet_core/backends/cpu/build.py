@@ -177,8 +177,14 @@ def build_dir(level: Level) -> Path:
     return root / f"decode_kernels-{level.name}-{_key(level)}"
 
 
+def module_name(level: Level) -> str:
+    """The shared object's module name (build_dir(level) / f"{name}.so"): a cross-compiled build put
+    there is imported as is (scripts/arm64_check.sh)."""
+    return f"linnet_decode_kernels_{level.name.replace('-', '_')}_{_key(level)}"
+
+
 def build_extension(level: Level):
-    name, build = f"linnet_decode_kernels_{level.name.replace('-', '_')}_{_key(level)}", build_dir(level)
+    name, build = module_name(level), build_dir(level)
     built = build / f"{name}.so"
     make_private_dir(build)  # the shared object is imported: a folder others can write is their code
     check_private(build.parent)

@@ -36,7 +36,7 @@ def header(result: ServingResult) -> str:
 
 
 def markdown(result: ServingResult) -> str:
-    lines = [f"**{header(result)}**", "", describe(result.env), "", "| target | " + " | ".join(c[0] for c in COLUMNS) + " |",
+    lines = [f"**{header(result)}**", "", describe(result.environment), "", "| target | " + " | ".join(c[0] for c in COLUMNS) + " |",
              "|---|" + "---:|" * len(COLUMNS)]
     for r in result.targets:
         lines.append(f"| {r.label} | " + " | ".join(cell(r, k, f) for _, k, f in COLUMNS) + " |")
@@ -63,7 +63,7 @@ def notes(rows: list[TargetRow]) -> list[str]:
 
 
 def rich_table(result: ServingResult) -> Table:
-    table = Table(title=escape(header(result)), title_justify="left", caption=escape(describe(result.env)),
+    table = Table(title=escape(header(result)), title_justify="left", caption=escape(describe(result.environment)),
                   caption_justify="left")
     table.add_column("target", no_wrap=True)
     for name, _, _ in COLUMNS:
