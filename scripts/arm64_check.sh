@@ -52,7 +52,7 @@ print(build.module_name(lv), build.build_dir(lv), \" \".join(build.cflags(lv)), 
   name=$(echo "$plan" | cut -d' ' -f1)
   dir=$(echo "$plan" | cut -d' ' -f2)
   cflags=$(echo "$plan" | cut -d' ' -f3- | sed 's| /linnet/.*||')
-  sources=$(echo "$plan" | grep -o '/linnet/[^ ]*' | sed "s|^|$ROOT|")
+  sources=$(echo "$plan" | grep -o '/linnet/linnet_core/[^ ]*' | sed "s|^|$ROOT|")
   echo "cross-compiling $name ($cflags)"
   mkdir -p "$ROOT$dir" && chmod 700 "$ROOT$dir" "$(dirname "$ROOT$dir")"
   # shellcheck disable=SC2086

@@ -3,14 +3,14 @@ keyed by the sources, the flags and the PyTorch install; what doctor says withou
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import importlib.util
 import os
+import platform
 import time
 import warnings
-import ctypes
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 
