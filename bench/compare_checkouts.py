@@ -9,6 +9,7 @@ serving bench instead (`linnet bench --serving`, which every commit takes): per 
 tokens/s, TTFT p99 and ITL p99.
 
     python bench/compare_checkouts.py HEAD~3 /tmp/qwen3-191m --rounds 3 --save bench/results/compare.json
+    python bench/compare_checkouts.py HEAD~3 /tmp/qwen3-191m --dtype q4_0 --backends torch --rounds 3
     python bench/compare_checkouts.py HEAD~1 /tmp/qwen3-191m --serving --backends torch --rounds 3
 
 Both checkouts run in this Python environment (the base's code put first on PYTHONPATH), so
@@ -38,8 +39,8 @@ def bench(code: Path, model: str, cache: Path, args: argparse.Namespace, out: Pa
                "--concurrency", str(args.rows), "--save", str(out), "--quiet"]
     else:
         cmd = [sys.executable, "-m", "linnet_cli", "bench", model, "--backend", args.backends, "--compare", "none",
-               "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens), "--runs",
-               str(args.runs), "--warmups", str(args.warmups), "--save", str(out), "--quiet"]
+               *(["--dtype", args.dtype] if args.dtype else []), "--prompt-tokens", str(args.prompt_tokens),
+               "--new-tokens", str(args.new_tokens), "--runs", str(args.runs), "--warmups", str(args.warmups), "--save", str(out), "--quiet"]
     subprocess.run(cmd, cwd=code, env=env, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
@@ -61,6 +62,7 @@ def main() -> None:
     p.add_argument("base", help="the commit to compare against (e.g. HEAD~3)")
     p.add_argument("model", help="checkpoint folder (e.g. from bench/make_qwen3_191m.py)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", help="the weights' dtype for both (float32, bf16, q8_0, ...; default: bench's)")
     p.add_argument("--backends", default="torch,inductor,onnxruntime,jax,stablehlo")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
