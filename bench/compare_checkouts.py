@@ -40,7 +40,8 @@ def bench(code: Path, model: str, cache: Path, args: argparse.Namespace, out: Pa
     else:
         cmd = [sys.executable, "-m", "linnet_cli", "bench", model, "--backend", args.backends, "--compare", "none",
                *(["--dtype", args.dtype] if args.dtype else []), "--prompt-tokens", str(args.prompt_tokens),
-               "--new-tokens", str(args.new_tokens), "--runs", str(args.runs), "--warmups", str(args.warmups), "--save", str(out), "--quiet"]
+               "--new-tokens", str(args.new_tokens), "--runs", str(args.runs), "--warmups", str(args.warmups),
+               "--save", str(out), "--quiet"]
     subprocess.run(cmd, cwd=code, env=env, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
