@@ -16,8 +16,8 @@ ROOT=${ROOT:-/var/tmp/linnet-arm64}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 TORCH=${TORCH:-torch==2.9.1}  # aarch64's CPU wheel (PyPI's 2.13.0 for aarch64 is the 4.6 GB CUDA build)
 # the kernel tests and the quantized ones on every family fixture; not inductor's (its C++ compiles under
-# emulation take hours) nor the lower levels' rebuilds
-TESTS=${TESTS:-tests/test_cpu_kernels.py tests/test_quantized.py -k \"not lower_level and not inductor and not compiled \
+# emulation take hours) nor the rebuilds (lower levels, a fresh machine)
+TESTS=${TESTS:-tests/test_cpu_kernels.py tests/test_quantized.py -k \"not lower_level and not fresh_machine and not inductor and not compiled \
 and (kernel or repacking or cpu_kernels)\"}
 
 setup() {
