@@ -447,7 +447,8 @@ def test_dispatch_takes_the_highest_level_the_cpu_runs(monkeypatch):
              ("x86_64", {"avx2", "fma", "f16c", "avx_vnni", "avx512f"}, "avx2-vnni"),  # AVX-512 without BF16
              ("x86_64", {"avx2", "fma", "f16c"}, "avx2"),
              ("x86_64", {"avx", "sse4_2"}, None),
-             ("aarch64", {"asimd", "asimddp", "bf16", "i8mm"}, "neon-dotprod-bf16"),
+             ("aarch64", {"asimd", "asimddp", "bf16", "i8mm"}, "neon-i8mm"),
+             ("aarch64", {"asimd", "asimddp", "bf16"}, "neon-dotprod-bf16"),
              ("aarch64", {"asimd", "asimddp"}, "neon-dotprod"),
              ("aarch64", {"asimd"}, "neon")]
     for arch, features, want in cases:
@@ -469,7 +470,7 @@ def test_a_forced_level_is_honoured_and_a_level_the_cpu_lacks_is_one_line(monkey
     from linnet_core.errors import BackendUnavailable
 
     for name, says in (("avx512", "asks for AVX-512 BF16/VNNI, which this CPU lacks (it runs: avx2-vnni, avx2)"),
-                       ("sse9", "is not a kernel level; the levels are avx512, avx2-vnni, avx2, neon-dotprod-bf16")):
+                       ("sse9", "is not a kernel level; the levels are avx512, avx2-vnni, avx2, neon-i8mm, neon-dotprod-bf16")):
         monkeypatch.setenv(build.LEVEL_ENV, name)
         with pytest.raises(BackendUnavailable, match=says.replace("(", r"\(").replace(")", r"\)")) as e:
             build.chosen_level()

@@ -14,8 +14,9 @@ dispatch (`LINNET_CPU_LEVEL` forces a lower one):
 - `avx512`: AVX-512 F/BW/VL with BF16 and VNNI (Intel since Cooper Lake, AMD since Zen 4);
 - `avx2-vnni`: AVX2 + FMA + F16C with AVX-VNNI (Intel client CPUs since Alder Lake);
 - `avx2`: AVX2 + FMA + F16C, the x86-64 floor (AMD before Zen 4, older Intel);
-- `neon-dotprod-bf16`, `neon-dotprod`, `neon`: ARM64 with the dot-product and bf16 extensions
-  (Graviton 3 and later, Ampere Altra's dotprod), or plain NEON.
+- `neon-i8mm`, `neon-dotprod-bf16`, `neon-dotprod`, `neon`: ARM64 with i8mm (usdot: the int8 block
+  sums as VNNI takes them), bf16 (bfdot) and the dot-product extension (Graviton 3 and later have
+  all three; Ampere Altra dotprod), or plain NEON.
 
 The kernels:
 

@@ -48,6 +48,8 @@ LEVELS = (
           _X86_FLOOR + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni")),
     Level("avx2-vnni", "AVX2 + AVX-VNNI", "x86_64", ("avx2", "fma", "f16c", "avx_vnni"), _X86_FLOOR + ("-mavxvnni",)),
     Level("avx2", "AVX2", "x86_64", ("avx2", "fma", "f16c"), _X86_FLOOR),
+    Level("neon-i8mm", "NEON + dotprod + i8mm + bf16", "aarch64", ("asimd", "asimddp", "i8mm", "bf16"),
+          ("-march=armv8.2-a+dotprod+i8mm+bf16",)),
     Level("neon-dotprod-bf16", "NEON + dotprod + bf16", "aarch64", ("asimd", "asimddp", "bf16"),
           ("-march=armv8.2-a+dotprod+bf16",)),
     Level("neon-dotprod", "NEON + dotprod", "aarch64", ("asimd", "asimddp"), ("-march=armv8.2-a+dotprod",)),

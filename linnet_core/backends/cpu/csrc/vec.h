@@ -3,7 +3,8 @@
 // compiles the same sources once per level with that level's flags):
 //   AVX-512 (F/BW/VL, BF16, VNNI): 16 lanes, masked tails, vdpbf16ps, vpdpbusd;
 //   AVX2 + FMA + F16C: 8 lanes, vpdpbusd where AVX-VNNI is present, vpmaddubsw otherwise;
-//   ARM64 NEON: 4 lanes, sdot where the dot-product extension is present, bfdot where bf16 is.
+//   ARM64 NEON: 4 lanes, sdot where the dot-product extension is present (i8mm's usdot where that
+//   is), bfdot where bf16 is.
 // Every kernel's arithmetic is written once against this header. Conversions to 16-bit types round
 // to nearest even, as .to(dtype) does; the int8 block sums are exact on every level.
 #pragma once
@@ -299,7 +300,7 @@ inline S8 sums(const Q8& w, const int8_t* x, int32_t corr) {
 #else  // NEON: pairs of 4-lane registers
 struct F8 { float32x4_t lo, hi; };
 struct S8 { int32x4_t lo, hi; };
-struct Q8 { int8x16_t c[8][2]; };  // signed: q4_0's nibbles (0..15) as they are, q8_0's values
+struct Q8 { int8x16_t c[8][2]; };  // q4_0's nibbles (0..15); q8_0's values, or as stored (+128) for usdot
 inline F8 f8_zero() { return {vdupq_n_f32(0.f), vdupq_n_f32(0.f)}; }
 inline F8 f8_set1(float v) { return {vdupq_n_f32(v), vdupq_n_f32(v)}; }
 inline F8 f8_mul(F8 a, F8 b) { return {vmulq_f32(a.lo, b.lo), vmulq_f32(a.hi, b.hi)}; }
@@ -325,12 +326,21 @@ inline Q8 load_q4(const uint8_t* q) {
     }
   return w;
 }
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+inline Q8 load_q8(const uint8_t* q) {  // u8, 128 above each value: usdot's unsigned operand as stored
+  Q8 w;
+  for (int c = 0; c < 8; ++c)
+    for (int h = 0; h < 2; ++h) w.c[c][h] = vreinterpretq_s8_u8(vld1q_u8(q + 32 * c + 16 * h));
+  return w;
+}
+#else
 inline Q8 load_q8(const uint8_t* q) {
   Q8 w;
   for (int c = 0; c < 8; ++c)
     for (int h = 0; h < 2; ++h) w.c[c][h] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(q + 32 * c + 16 * h), vdupq_n_u8(0x80)));
   return w;
 }
+#endif
 inline int32x4_t dot4(int32x4_t acc, int8x16_t w, int8x16_t x) {  // lane r += 4 products of row r
 #if defined(__ARM_FEATURE_DOTPROD)
   return vdotq_s32(acc, w, x);
@@ -342,6 +352,15 @@ inline int32x4_t dot4(int32x4_t acc, int8x16_t w, int8x16_t x) {  // lane r += 4
 template <bool Q4>
 inline S8 sums(const Q8& w, const int8_t* x, int32_t corr) {
   const int32_t* x4 = (const int32_t*)x;
+#if defined(__ARM_FEATURE_MATMUL_INT8)  // i8mm's usdot: u8 x s8 as VNNI, both formats as stored, corr always
+  const int32x4_t start = vdupq_n_s32(corr);
+  S8 s{start, start};
+  for (int c = 0; c < 8; ++c) {
+    const int8x16_t xb = vreinterpretq_s8_s32(vdupq_n_s32(x4[c]));
+    s.lo = vusdotq_s32(s.lo, vreinterpretq_u8_s8(w.c[c][0]), xb);
+    s.hi = vusdotq_s32(s.hi, vreinterpretq_u8_s8(w.c[c][1]), xb);
+  }
+#else
   const int32x4_t start = vdupq_n_s32(Q4 ? corr : 0);  // q8_0's values are signed already
   S8 s{start, start};
   for (int c = 0; c < 8; ++c) {
@@ -349,6 +368,7 @@ inline S8 sums(const Q8& w, const int8_t* x, int32_t corr) {
     s.lo = dot4(s.lo, w.c[c][0], xb);
     s.hi = dot4(s.hi, w.c[c][1], xb);
   }
+#endif
   return s;
 }
 #endif
@@ -361,6 +381,8 @@ inline const char* level_name() {
   return "avx2-vnni";
 #elif LINNET_AVX2
   return "avx2";
+#elif defined(__ARM_FEATURE_MATMUL_INT8) && defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC)
+  return "neon-i8mm";
 #elif defined(__ARM_FEATURE_DOTPROD) && defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC)
   return "neon-dotprod-bf16";
 #elif defined(__ARM_FEATURE_DOTPROD)
