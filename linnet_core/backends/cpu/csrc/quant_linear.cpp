@@ -1,10 +1,9 @@
 // y [M, N] = x [M, K] @ W.T, W [N, K] GGUF q8_0 / q4_0 blocks (quant.py), computed as llama.cpp
 // computes it: the activations rounded to int8 blocks of 32 (a float32 scale amax / 127, half away
 // from zero: quant.int8_blocks gives the same values), each block's products summed in int32 by the
-// ISA's int8 dot product (vec.h: VNNI's u8 x s8, AVX2's vpmaddubsw, ARM's sdot), then scaled by both
-// blocks' scales in float32. The int32 sums
-// are exact, so the result differs from a float32 matmul of the rounded activations and the
-// dequantized weights only in the float summation order.
+// ISA's int8 dot product (vec.h: VNNI's or i8mm's u8 x s8, AVX2's vpmaddubsw, ARM's sdot), then
+// scaled by both blocks' scales in float32. The int32 sums are exact, so the result differs from a
+// float32 matmul of the rounded activations and the dequantized weights only in the summation order.
 //
 // The weights are repacked once at load (`repack_rows8`, as llama.cpp's CPU_REPACK buffers do): 8 rows
 // interleaved per block, so one 32-byte vector holds 4 weights of each of the 8 rows and a dot product
@@ -13,8 +12,9 @@
 // does. q8_0's quants are stored 128 above their value (the sign bit flipped) so both formats feed
 // VNNI's u8 operand straight from memory and subtract the offset once per block, as q4_0's nibbles
 // (8 above) always did: a third fewer vector ops a block than signing each operand, and ~10% faster
-// over a decode step's weights. The stored blocks are the same on every level. One register kernel serves decode and prompts: each group of 8 rows
-// is run against every token row while its blocks sit in L1.
+// over a decode step's weights. The stored blocks are the same on every level. One register kernel
+// serves decode and prompts: each group of 8 rows is run against every token row while its blocks
+// sit in L1.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
