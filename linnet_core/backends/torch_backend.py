@@ -28,10 +28,10 @@ from .cpu.linears import DecodeLinear, PackedFloatLinear, linear_kernel, pack_li
 from .cpu.step_kernels import add_step_kernels
 from .torch_emit import emit
 
-# Linear weights the eager backend packs for oneDNN at load. float32's packed kernel streams twice
-# as fast (35 vs 16 GB/s here); bfloat16's gains 14% (22.4 vs 19.6 GB/s) but packing 8 GB takes
-# ~3.5 s at every load, so bfloat16 stays mapped, served by Linnet's own GEMV where it runs
-# (csrc/gemv.cpp: ~41 GB/s, no copy) and F.linear elsewhere (measured, Qwen3-4B shapes).
+# Linear weights the eager backend repacks at load: float32 for Linnet's kernel where it runs
+# (csrc/gemv.cpp's 8-row layout, a plain read's speed), for oneDNN elsewhere (35 vs 16 GB/s for
+# F.linear here). bfloat16 stays mapped, served by Linnet's own GEMV where it runs (~41 GB/s, no
+# copy; packing 8 GB for oneDNN took ~3.5 s at every load for 14%) and F.linear elsewhere.
 PACKED_AT_LOAD = ("float32",)
 
 
