@@ -97,7 +97,8 @@ def level_named(name: str) -> Level:
         if lv.name == name:
             return lv
     raise BackendUnavailable(f"{LEVEL_ENV}={name} is not a kernel level; the levels are "
-                             f"{', '.join(lv.name for lv in LEVELS)}")
+                             f"{', '.join(lv.name for lv in LEVELS)}",
+                             hint=f"unset {LEVEL_ENV} to take the highest level this CPU runs")
 
 
 def chosen_level() -> Level | None:
