@@ -212,11 +212,12 @@ void packed_blocks(const W* x, const W* w, int64_t K, int64_t N, int64_t b0, int
   }
 }
 
-// RM token rows of x32 [M, K] (float32) against 4 rows of a packed block (those from r0): RM x 4
+// RM token rows of x [M, K] (the weights' dtype, widened in registers: half the bytes of a float32 copy for
+// float16) against 4 rows of a packed block (those from r0): RM x 4
 // accumulators, for prompts. Half a block a tile, so 6 token rows fit 32 registers (3 fit 16) and
 // each weight vector serves 6 FMAs (8 rows x 3 tokens ran ~5% slower than the unpacked tiles).
 template <typename W, int RM>
-void packed_tile(const float* x, const W* block, int64_t K, int64_t N, int64_t m0, int64_t n0, int r0, W* y) {
+void packed_tile(const W* x, const W* block, int64_t K, int64_t N, int64_t m0, int64_t n0, int r0, W* y) {
   constexpr int RN = PACK / 2;
   Vf acc[RM][RN];
   for (int i = 0; i < RM; ++i)
@@ -237,7 +238,7 @@ void packed_tile(const float* x, const W* block, int64_t K, int64_t N, int64_t m
 }
 
 template <typename W, int RM>
-void packed_tiles(const float* x, const W* block, int64_t K, int64_t N, int64_t m0, int64_t n0, W* y) {
+void packed_tiles(const W* x, const W* block, int64_t K, int64_t N, int64_t m0, int64_t n0, W* y) {
   packed_tile<W, RM>(x, block, K, N, m0, n0, 0, y);
   if (n0 + PACK / 2 < N) packed_tile<W, RM>(x, block, K, N, m0, n0, PACK / 2, y);
 }
@@ -247,7 +248,7 @@ constexpr int64_t PACKED_TILE_M = kRegs == 32 ? 6 : 3;
 constexpr int64_t PACKED_BLOCKS_PER_TASK = 6;  // 48 weight rows a thread holds in cache while the token rows pass
 
 template <typename W>
-void packed_prompt(const float* xp, const W* wp, int64_t M, int64_t K, int64_t N, int64_t blocks, W* yp) {
+void packed_prompt(const W* xp, const W* wp, int64_t M, int64_t K, int64_t N, int64_t blocks, W* yp) {
   const int64_t tasks = (blocks + PACKED_BLOCKS_PER_TASK - 1) / PACKED_BLOCKS_PER_TASK;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -278,17 +279,16 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   if (M == 0) return y.view(sizes);
   const W* wp = packed.data_ptr<W>();
   W* yp = y.data_ptr<W>();
+  const auto xs = x.reshape({M, K}).contiguous();
+  const W* xp = xs.data_ptr<W>();
   if (M <= 2) {  // decode: each thread streams its share of the blocks once
-    const auto xs = x.reshape({M, K}).contiguous();
-    const W* xp = xs.data_ptr<W>();
     at::parallel_for(0, blocks, ROWS_PER_TASK / PACK, [&](int64_t b0, int64_t b1) {
       if (M == 1) packed_blocks<W, 1>(xp, wp, K, N, b0, b1, yp);
       else packed_blocks<W, 2>(xp, wp, K, N, b0, b1, yp);
     });
     return y.view(sizes);
   }
-  const auto x32 = x.reshape({M, K}).to(at::kFloat).contiguous();
-  packed_prompt<W>(x32.data_ptr<float>(), wp, M, K, N, blocks, yp);
+  packed_prompt<W>(xp, wp, M, K, N, blocks, yp);
   return y.view(sizes);
 }
 
