@@ -1,9 +1,9 @@
 """`linnet serve` beside llama.cpp's `llama-server` on the issue's workloads, one table of ratios.
 
 Runs `linnet bench --serving` (the CLI, as a user would) once per dtype and workload, each server
-started afresh, and prints per row: output tok/s (Linnet / llama-server), TTFT p99 and ITL p99 of
-both, and whether Linnet is at least as good on all three; on the shared-prefix workloads also
-Linnet's own TTFT without prefix caching. JSON documents go to --out.
+started afresh, and prints per row: output tok/s (Linnet / llama-server), TTFT p99, ITL p99 and the
+server's peak RSS of both, and whether Linnet meets all four (RSS within llama-server's + 10%); on
+the shared-prefix workloads also Linnet's own TTFT without prefix caching. JSON documents go to --out.
 
     python bench/serving_vs_llama_server.py /tmp/qwen3-191m --out bench/results/serving_llama_xeon
 """
@@ -16,7 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-BACKEND = {"f32": "onnxruntime", "bf16": "torch", "q8_0": "torch", "q4_0": "torch"}
+# Linnet's own CPU kernels serve every dtype on `torch` (float32 too, since issue 38; ONNX Runtime before)
+BACKEND = {"f32": "torch", "f16": "torch", "bf16": "torch", "q8_0": "torch", "q4_0": "torch"}
+MEMORY_MARGIN = 1.10
 WORKLOADS = {
     "c8": ["--requests", "64", "--prompt-range", "32-128", "--new-tokens", "32", "--concurrency", "8"],
     "c32": ["--requests", "128", "--prompt-range", "32-128", "--new-tokens", "32", "--concurrency", "32"],
@@ -41,10 +43,14 @@ def run(model: str, dtype: str, workload: str, rows: int, out: Path) -> dict:
 def line(dtype: str, workload: str, rows: dict) -> str:
     own, ls = rows["http"], rows["llama-server"]
     ratio = own["output_tok_s"] / ls["output_tok_s"]
-    met = ratio >= 1.0 and own["ttft_ms_p99"] <= ls["ttft_ms_p99"] and own["itl_ms_p99"] <= ls["itl_ms_p99"]
+    own_rss, ls_rss = own.get("peak_memory_bytes"), ls.get("peak_memory_bytes")  # None where unmeasured
+    memory = own_rss / ls_rss if own_rss and ls_rss else float("inf")
+    met = (ratio >= 1.0 and own["ttft_ms_p99"] <= ls["ttft_ms_p99"] and own["itl_ms_p99"] <= ls["itl_ms_p99"]
+           and memory <= MEMORY_MARGIN)
     cells = [dtype, workload, f"{own['output_tok_s']:.1f} / {ls['output_tok_s']:.1f} ({ratio:.2f}×)",
              f"{own['ttft_ms_p99']:,.0f} / {ls['ttft_ms_p99']:,.0f} ms",
-             f"{own['itl_ms_p99']:.1f} / {ls['itl_ms_p99']:.1f} ms"]
+             f"{own['itl_ms_p99']:.1f} / {ls['itl_ms_p99']:.1f} ms",
+             f"{(own_rss or 0) / 2**20:,.0f} / {(ls_rss or 0) / 2**20:,.0f} MiB ({memory:.2f}×)"]
     off = rows.get("http-no-prefix-cache")
     cells.append(f"{off['ttft_ms_p99'] / own['ttft_ms_p99']:.1f}×" if off else "–")
     cells.append("met" if met else "short")
@@ -54,14 +60,14 @@ def line(dtype: str, workload: str, rows: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
-    ap.add_argument("--dtypes", default="f32,bf16,q8_0,q4_0")
+    ap.add_argument("--dtypes", default=",".join(BACKEND))
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    lines = ["| dtype | workload | output tok/s (Linnet / llama-server) | TTFT p99 | ITL p99 | "
-             "own TTFT p99 gain from prefix caching | all three |", "|---|---|---:|---:|---:|---:|---|"]
+    lines = ["| dtype | workload | output tok/s (Linnet / llama-server) | TTFT p99 | ITL p99 | server peak RSS | "
+             "own TTFT p99 gain from prefix caching | all four |", "|---|---|---:|---:|---:|---:|---:|---|"]
     for dtype in a.dtypes.split(","):
         for workload in a.workloads.split(","):
             lines.append(line(dtype, workload, run(a.model, dtype, workload, a.rows, a.out)))

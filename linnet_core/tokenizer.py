@@ -13,7 +13,7 @@ from typing import Any
 
 from .errors import CheckpointError, InputError
 from .gguf.reader import GGUFFile
-from .gguf.tokenizer import tokenizer_from_gguf
+from .gguf.tokenizer import read_vocabulary, tokenizer_from_gguf
 
 
 def _token_text(value: Any) -> str | None:
@@ -85,11 +85,11 @@ class Tokenizer:
 
     def _from_gguf(self, path: Path) -> None:
         with GGUFFile(path) as g:
-            built = tokenizer_from_gguf(g.metadata)
-            eos_ids = [g.metadata.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id")]
+            voc = read_vocabulary(g)
+        built = tokenizer_from_gguf(voc)
         self._tok, self._fallback = built.tokenizer, None
         self.bos_token, self.eos_token, self.chat_template = built.bos_token, built.eos_token, built.chat_template
-        self.eos_ids = {i for i in eos_ids if isinstance(i, int)}
+        self.eos_ids = {i for i in (voc.eos, voc.eot) if i is not None}
 
     @property
     def vocab_size(self) -> int:

@@ -73,7 +73,13 @@ MALFORMED = {
     "string array length": (gguf([s("tokens") + struct.pack("<II", ARRAY, STRING) + struct.pack("<Q", 2**62)]),
                             "more than the"),
     "nested arrays": (gguf([s("a") + struct.pack("<II", ARRAY, ARRAY) + struct.pack("<Q", 1) + struct.pack("<I", ARRAY)
-                            + struct.pack("<Q", 1) + struct.pack("<I", ARRAY) + struct.pack("<Q", 1)]), "deeper"),
+                            + struct.pack("<Q", 1) + struct.pack("<I", ARRAY) + struct.pack("<Q", 1)]), "array of arrays"),
+    "string array past the cap": (gguf([s("t") + struct.pack("<II", ARRAY, STRING) + struct.pack("<Q", 2**21 + 1)
+                                        + s("a") * (2**21 + 1)]), "more than the 2097152"),
+    "a string of an array past the end": (gguf([s("t") + struct.pack("<II", ARRAY, STRING) + struct.pack("<Q", 2)
+                                                + s("a") + struct.pack("<Q", 2**40)]), "runs past the end"),
+    "alignment as a bool": (gguf([s("general.alignment") + struct.pack("<I", 7) + b"\x01"]), "holds the bool"),
+    "alignment as a string": (gguf([s("general.alignment") + struct.pack("<I", STRING) + s("32")]), "holds the string"),
     "unknown value type": (gguf([s("k") + struct.pack("<I", 77) + b"\0" * 16]), "unknown value type 77"),
     "unknown array type": (gguf([s("k") + struct.pack("<II", ARRAY, 55) + struct.pack("<Q", 1)]),
                            "unknown element type 55"),

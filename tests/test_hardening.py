@@ -155,11 +155,26 @@ def test_rm_of_an_empty_name_removes_nothing(model, tmp_path):
     ("num_attention_heads", 0), ("num_key_value_heads", -2), ("hidden_size", 0), ("intermediate_size", -5),
     ("num_hidden_layers", 0), ("max_position_embeddings", 0), ("max_position_embeddings", -1), ("head_dim", 0),
     ("vocab_size", 0), ("num_attention_heads", 4.5), ("num_attention_heads", True), ("hidden_size", "64"),
+    ("hidden_size", float("inf")), ("hidden_size", float("nan")), ("num_hidden_layers", 10**7),
+    ("vocab_size", 2**40),
 ])
 def test_nonsense_sizes_are_refused_by_name(checkpoints, field, value):
     cfg = json.loads((checkpoints[CASE] / "config.json").read_text())
     cfg[field] = value
-    with pytest.raises(CheckpointError, match=f"'{field}' must be a positive integer"):
+    with pytest.raises(CheckpointError, match=f"'{field}' must be an integer from 1 to"):
+        spec_from_config(cfg)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("rms_norm_eps", float("nan")), ("rms_norm_eps", 0.0), ("rms_norm_eps", "1e-6"), ("rope_theta", float("inf")),
+    ("rope_theta", -1.0), ("partial_rotary_factor", 2.0),
+])
+def test_nonsense_numbers_are_refused_by_name(checkpoints, field, value):
+    """A NaN or an infinity never reaches the generated source: refused where the config is read."""
+    cfg = json.loads((checkpoints[CASE] / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg[field] = value
+    with pytest.raises(CheckpointError, match=f"'{field}' must be a finite number above"):
         spec_from_config(cfg)
 
 

@@ -10,11 +10,12 @@ a template fails at emit time, naming it. Output is deterministic (golden copies
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from .. import __version__
-from ..errors import IRError
+from ..errors import CheckpointError, IRError
 from ..ir.graph import Graph, LayerAttr, Node
 from ..ir.ops import OPS
 from ..ir.rope import inv_freq
@@ -82,7 +83,17 @@ class _Ctx:
             return f"{v.key.upper()}[i]"
         if isinstance(v, list) and any(isinstance(d, str) for d in v):  # a shape with symbols B, T
             return ", ".join(str(d) for d in v)
-        return repr(v)
+        return float_literal(v) if isinstance(v, float) else repr(v)
+
+
+def float_literal(v: float) -> str:
+    """`repr` of a finite float: the one form a number from a model's files takes in generated source
+    (repr(nan) is the bare name `nan`, which fails the import). The config readers refuse non-finite
+    values first; this holds the line for any that a derived value (a frequency) could still make."""
+    if not math.isfinite(v):
+        raise CheckpointError(f"the model's settings give a non-finite number ({v}) where the generated code needs one",
+                              hint="check the rope and norm values in the checkpoint's config or GGUF metadata")
+    return repr(float(v))
 
 
 def _shape(s: tuple) -> str:
@@ -144,7 +155,7 @@ def emit_module(g: Graph, d: Dialect) -> str:
         '"""',
     ]
     body = [d.prelude.strip("\n"), "", ""]
-    rows = [", ".join(repr(float(f)) for f in freqs[k:k + 4]) for k in range(0, len(freqs), 4)]
+    rows = [", ".join(float_literal(float(f)) for f in freqs[k:k + 4]) for k in range(0, len(freqs), 4)]
     body.append(f"ROPE_INV_FREQ = {d.array}([  # [{len(freqs)}] inverse frequencies, "
                 f"{rope_node.attrs['rope']['type']} rope")
     body += [f"    {r}," for r in rows]

@@ -21,6 +21,7 @@ from ..dtypes import FORMATS, normalize_dtype, normalize_format
 from ..errors import BackendUnavailable, CheckpointError, InputError, VerifyFailed
 from ..gguf.llamacpp_reference import LlamaCppRefused, llamacpp, native_stderr_kept, run_llamacpp
 from ..gguf.reader import read_gguf
+from ..gguf.schema import Metadata
 from ..tokenizer import Tokenizer
 from .agreement import compare_logits, decisive_agreement
 from .prompts import prompt_ids
@@ -155,8 +156,8 @@ def check_gguf(model: Model, file: Path, dtype: str, consumer: str | None = None
     """The GGUF in llama.cpp (through llama-cpp-python) or, without it, in transformers' GGUF loader."""
     consumer = require_gguf_consumer(model.spec, consumer)
     with read_gguf(file) as g:  # the check stays within the context the file declares
-        arch = g.metadata["general.architecture"]
-        context = int(g.metadata[f"{arch}.context_length"])
+        md = Metadata(g)
+        context = md.count(f"{md.string('general.architecture')}.context_length")
     ids = prompt_ids(model, None)
     steps = max(1, min(GGUF_STEPS, context // 2))
     ids = ids[:max(1, context - steps)]

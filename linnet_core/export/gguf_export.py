@@ -20,6 +20,8 @@ from ..compile import Model, open_model
 from ..dtypes import FORMATS, normalize_format
 from ..errors import BackendUnavailable, InputError
 from ..gguf.reader import read_gguf
+from ..gguf.schema import Metadata, Vocabulary
+from ..gguf.tokenizer import read_vocabulary
 from ..gguf.vocab import GgufVocab, read_vocab, vocab_from_gguf
 from ..ir.rope import inv_freq
 from ..models import GgufLayout, build_graph, gguf_layout
@@ -201,19 +203,20 @@ def _vocab(w, folder: Path, vocab: GgufVocab, gguf) -> None:
 
 
 # A GGUF model's tokenizer keys written again as they are (its vocabulary goes through GgufVocab).
-COPIED_TOKENIZER_KEYS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "add_bos_token",
-                         "add_eos_token")
+# The source vocabulary's settings copied as they are: its field -> the writer's method
+COPIED_TOKENIZER_KEYS = {"bos": "add_bos_token_id", "eos": "add_eos_token_id", "unknown": "add_unk_token_id",
+                         "padding": "add_pad_token_id", "add_bos": "add_add_bos_token", "add_eos": "add_add_eos_token"}
 
 
-def _vocab_from_source(w, vocab: GgufVocab, meta: dict) -> None:
+def _vocab_from_source(w, vocab: GgufVocab, source: Vocabulary) -> None:
     _write_vocab(w, vocab)
     if vocab.merges:
         w.add_token_merges(vocab.merges)
-    for key in COPIED_TOKENIZER_KEYS:
-        if f"tokenizer.ggml.{key}" in meta:
-            getattr(w, f"add_{key.replace('unknown', 'unk').replace('padding', 'pad')}")(meta[f"tokenizer.ggml.{key}"])
-    if isinstance(meta.get("tokenizer.chat_template"), str):
-        w.add_chat_template(meta["tokenizer.chat_template"])
+    for field, add in COPIED_TOKENIZER_KEYS.items():
+        if getattr(source, field) is not None:
+            getattr(w, add)(getattr(source, field))
+    if source.chat_template is not None:
+        w.add_chat_template(source.chat_template)
 
 
 def write_gguf(model: Model, path: Path, dtype: str, progress: Callable[[str], None] | None = None) -> None:
@@ -227,15 +230,15 @@ def write_gguf(model: Model, path: Path, dtype: str, progress: Callable[[str], N
     if model.is_gguf:  # another format of a GGUF model: its vocabulary and tokenizer keys as they are
 
         with read_gguf(model.path) as source:
-            meta = source.metadata
-        vocab, name = vocab_from_gguf(meta), meta.get("general.name") or model.path.stem
+            source_vocab, name = read_vocabulary(source), Metadata(source).string("general.name", None)
+        vocab, name = vocab_from_gguf(source_vocab), name or model.path.stem
     else:
         vocab = read_vocab(model.path, spec.vocab_size)
     plan = _plan(spec, layout, model.checkpoint(), dtype, gguf)
     w = gguf.GGUFWriter(None, layout.arch)
     _metadata(w, spec, layout, vocab, dtype, name, gguf)
     if model.is_gguf:
-        _vocab_from_source(w, vocab, meta)
+        _vocab_from_source(w, vocab, source_vocab)
     else:
         _vocab(w, model.path, vocab, gguf)
     for t in plan:

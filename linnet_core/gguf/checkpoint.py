@@ -40,7 +40,7 @@ def read_gguf_config(path: Path) -> tuple[dict[str, Any], GGUFFile]:
     """The config.json the GGUF at `path` describes (with its weights' storage as `dtype`), and the parsed file."""
     g = GGUFFile(path)
     try:
-        cfg = config_from_gguf(g.metadata, set(g.tensors), g.tensor)
+        cfg = config_from_gguf(g)
         cfg["dtype"] = storage_format(g)
         cfg["gguf_weights"] = weight_type(g)
     except Exception:

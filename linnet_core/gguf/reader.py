@@ -24,13 +24,16 @@ MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NAME = 64  # GGML_MAX_NAME, including the terminating zero in llama.cpp
-MAX_ARRAY_DEPTH = 2
+MAX_STRINGS = 1 << 21  # per string array: ~8x the largest vocabulary or merge list in use (Gemma's 262k tokens)
 MAX_ELEMENTS = 2**62  # per tensor: keeps every byte count far from int64 overflow
 DEFAULT_ALIGNMENT = 32
 
 # GGUF metadata value types: id -> (name, struct format or None for string/array)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+# GGUF value type id -> the name errors and the metadata schema use
+TYPE_NAMES = {0: "u8", 1: "i8", 2: "u16", 3: "i16", 4: "u32", 5: "i32", 6: "f32", 7: "bool", 8: "string",
+              10: "u64", 11: "i64", 12: "f64"}
 # ggml tensor types Linnet knows: id -> (name, elements per block, bytes per block)
 GGML_TYPES = {
     0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
@@ -54,7 +57,9 @@ class GGUFTensor:
 
 
 class GGUFFile:
-    """A parsed GGUF: `metadata` (key -> value; numeric arrays as numpy) and `tensors` (name -> info)."""
+    """A parsed GGUF: `metadata` (key -> value; numeric arrays as numpy), `types` (key -> its GGUF type:
+    "u32", "string", "array[f32]", ...) and `tensors` (name -> info). The values are as the file has
+    them: `gguf.schema` checks what each means before Linnet uses it."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -69,6 +74,7 @@ class GGUFFile:
         self._view = memoryview(self._map)
         self._pos = 0
         self.metadata: dict[str, Any] = {}
+        self.types: dict[str, str] = {}
         self.tensors: dict[str, GGUFTensor] = {}
         self._parse()
 
@@ -103,29 +109,47 @@ class GGUFFile:
         except UnicodeDecodeError:
             raise self._fail(f"{what} is not UTF-8") from None
 
-    def _value(self, vtype: int, what: str, depth: int = 0) -> Any:
+    def _strings(self, n: int, what: str) -> list[str]:
+        """n strings at the cursor: `_string`'s checks in one loop (a vocabulary is ~150k of them)."""
+        out, data, pos, end = [], self._map, self._pos, len(self._map)
+        for i in range(n):
+            length = struct.unpack_from("<Q", data, pos)[0] if end - pos >= 8 else None
+            if length is None or length > end - pos - 8:
+                self._pos = pos
+                raise self._fail(f"{what}[{i}] runs past the end of the file")
+            try:
+                out.append(str(data[pos + 8:pos + 8 + length], "utf-8"))
+            except UnicodeDecodeError:
+                self._pos = pos
+                raise self._fail(f"{what}[{i}] is not UTF-8") from None
+            pos += 8 + length
+        self._pos = pos
+        return out
+
+    def _value(self, vtype: int, what: str) -> tuple[Any, str]:
+        """The value of GGUF type `vtype` at the cursor and its type's name."""
         if vtype in _SCALARS:
-            return self._scalar(_SCALARS[vtype], what)
+            return self._scalar(_SCALARS[vtype], what), TYPE_NAMES[vtype]
         if vtype == _STRING:
-            return self._string(what)
-        if vtype == _ARRAY:
-            if depth >= MAX_ARRAY_DEPTH:
-                raise self._fail(f"{what} nests arrays deeper than {MAX_ARRAY_DEPTH}")
-            etype = self._scalar("<I", f"element type of {what}")
-            if etype in _SCALARS:
-                fmt = _SCALARS[etype]
-                n = self._count(f"length of {what}", struct.calcsize(fmt))
-                raw = self._take(n * struct.calcsize(fmt), what)
-                return np.frombuffer(raw, dtype=np.dtype(fmt)).copy() if etype != 7 else \
-                    np.frombuffer(raw, dtype=np.uint8).astype(bool)
-            if etype == _STRING:
-                n = self._count(f"length of {what}", 8)  # each string has at least its u64 length
-                return [self._string(f"{what}[{i}]") for i in range(n)]
-            if etype == _ARRAY:
-                n = self._count(f"length of {what}", 12)
-                return [self._value(_ARRAY, f"{what}[{i}]", depth + 1) for i in range(n)]
-            raise self._fail(f"{what} has unknown element type {etype}")
-        raise self._fail(f"{what} has unknown value type {vtype}")
+            return self._string(what), "string"
+        if vtype != _ARRAY:
+            raise self._fail(f"{what} has unknown value type {vtype}")
+        etype = self._scalar("<I", f"element type of {what}")
+        if etype in _SCALARS:
+            fmt = _SCALARS[etype]
+            n = self._count(f"length of {what}", struct.calcsize(fmt))
+            raw = self._take(n * struct.calcsize(fmt), what)
+            values = np.frombuffer(raw, dtype=np.dtype(fmt)).copy() if etype != 7 else \
+                np.frombuffer(raw, dtype=np.uint8).astype(bool)
+            return values, f"array[{TYPE_NAMES[etype]}]"
+        if etype == _STRING:
+            n = self._count(f"length of {what}", 8)  # each string has at least its u64 length
+            if n > MAX_STRINGS:
+                raise self._fail(f"{what} holds {n} strings, more than the {MAX_STRINGS} Linnet reads")
+            return self._strings(n, what), "array[string]"
+        if etype == _ARRAY:  # llama.cpp's reader takes none either; no key holds one
+            raise self._fail(f"{what} is an array of arrays, which GGUF readers do not take")
+        raise self._fail(f"{what} has unknown element type {etype}")
 
     # -- the file ---------------------------------------------------------------------------
     def _parse(self) -> None:
@@ -143,10 +167,12 @@ class GGUFFile:
             key = self._string(f"metadata key #{i}")
             if key in self.metadata:
                 raise self._fail(f"metadata key '{key}' appears twice")
-            self.metadata[key] = self._value(self._scalar("<I", f"type of '{key}'"), f"'{key}'")
+            self.metadata[key], self.types[key] = self._value(self._scalar("<I", f"type of '{key}'"), f"'{key}'")
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise self._fail(f"general.alignment {alignment!r} is not a power of two")
+        kind = self.types.get("general.alignment", "u32")
+        if kind not in ("u8", "u16", "u32", "u64") or alignment <= 0 or alignment & (alignment - 1):
+            raise self._fail(f"general.alignment must be an unsigned integer power of two, "
+                             f"holds the {kind} {str(alignment)[:40]}")
         infos = []
         for i in range(n_tensors):
             name = self._string(f"tensor name #{i}")

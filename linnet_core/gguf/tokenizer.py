@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import UnsupportedModel
+from ..errors import CheckpointError, UnsupportedModel
 from .reader import GGUFFile
+from .schema import Metadata, Vocabulary
 from .vocab import BYTE, CONTROL, NORMAL, PRE_TOKENIZERS, USER_DEFINED
 
 # llama.cpp's pre-tokenizer names -> the split regex each means (None: GPT-2's own, ByteLevel's regex).
@@ -39,11 +40,6 @@ class GgufTokenizer:
     chat_template: str | None
 
 
-def _special(meta: dict[str, Any], tokens: list[str], key: str) -> str | None:
-    i = meta.get(f"tokenizer.ggml.{key}")
-    return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
-
-
 def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
     """Every split of a normal piece into two vocabulary pieces, best-scoring merged piece first."""
     vocab = {t: i for i, t in enumerate(tokens) if types[i] == NORMAL}
@@ -57,62 +53,69 @@ def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
     return [(a, b) for *_, a, b in ranked]
 
 
-def tokenizer_from_gguf(meta: dict[str, Any]) -> GgufTokenizer:
+def read_vocabulary(g: GGUFFile) -> Vocabulary:
+    """The file's vocabulary, checked (gguf.schema); refused in one line when it has none."""
+    voc = Metadata(g).vocabulary()
+    if voc is None:
+        raise UnsupportedModel("the GGUF carries no vocabulary (tokenizer.ggml.tokens)", hint="pass token ids instead")
+    return voc
+
+
+def tokenizer_from_gguf(voc: Vocabulary) -> GgufTokenizer:
+    """The tokenizer `voc` describes. The schema has checked its keys against one another; what the
+    tokenizers library still refuses is one line naming the vocabulary, never a traceback."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-    kind = meta.get("tokenizer.ggml.model")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    if not isinstance(tokens, list) or not tokens:
-        raise UnsupportedModel("the GGUF carries no vocabulary (tokenizer.ggml.tokens)", hint="pass token ids instead")
-    types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))]
-    vocab = {}
+    tokens, types = voc.tokens, voc.types
+    vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
-    if kind == "gpt2":
-        pre = meta.get("tokenizer.ggml.pre", "gpt-2")
-        if pre not in PRE_NAMES:
-            raise UnsupportedModel(f"the GGUF's pre-tokenizer '{pre}' is not one Linnet reproduces exactly "
-                                   f"(reproduces: {', '.join(PRE_NAMES)})", hint="use the Hugging Face checkpoint")
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in IGNORE_MERGES))
-        split = PRE_NAMES[pre]
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True) if split is None else \
-            pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        tok.decoder = decoders.ByteLevel()
-        # llama.cpp adds BOS to Llama 3's vocabulary unless the file says otherwise, to others not.
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", pre in IGNORE_MERGES))
-    elif kind == "llama":
-        scores = [float(s) for s in meta.get("tokenizer.ggml.scores", [0.0] * len(tokens))]
-        unk = _special(meta, tokens, "unknown_token_id")
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=spm_merges(tokens, scores, types), unk_token=unk,
-                                   byte_fallback=any(t == BYTE for t in types), fuse_unk=True))
-        prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-        spaces = [normalizers.Replace(" ", "▁")]
-        tok.normalizer = normalizers.Sequence(([normalizers.Prepend("▁")] if prefix else []) + spaces)
-        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1 if prefix else 0, 0)])
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
-    else:
-        raise UnsupportedModel(f"the GGUF's tokenizer type '{kind}' is not supported (supported: gpt2, llama)",
-                               hint="pass token ids instead")
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, k in zip(tokens, types, strict=True) if k == CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED])
-    bos = _special(meta, tokens, "bos_token_id")
-    if add_bos and bos is not None:
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
-                                                           special_tokens=[(bos, vocab[bos])])
-    template = meta.get("tokenizer.chat_template")
-    return GgufTokenizer(tok, bos, _special(meta, tokens, "eos_token_id"),
-                         template if isinstance(template, str) else None)
+    try:
+        if voc.model == "gpt2":
+            pre = voc.pre or "gpt-2"
+            if pre not in PRE_NAMES:
+                raise UnsupportedModel(f"the GGUF's pre-tokenizer '{pre[:40]}' is not one Linnet reproduces exactly "
+                                       f"(reproduces: {', '.join(PRE_NAMES)})", hint="use the Hugging Face checkpoint")
+            tok = Tokenizer(models.BPE(vocab=vocab, merges=voc.merges, ignore_merges=pre in IGNORE_MERGES))
+            split = PRE_NAMES[pre]
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True) if split is None else \
+                pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            tok.decoder = decoders.ByteLevel()
+            # llama.cpp adds BOS to Llama 3's vocabulary unless the file says otherwise, to others not.
+            add_bos = pre in IGNORE_MERGES if voc.add_bos is None else voc.add_bos
+        else:  # "llama"
+            scores = voc.scores or [0.0] * len(tokens)
+            unk = None if voc.unknown is None else tokens[voc.unknown]
+            tok = Tokenizer(models.BPE(vocab=vocab, merges=spm_merges(tokens, scores, types), unk_token=unk,
+                                       byte_fallback=any(t == BYTE for t in types), fuse_unk=True))
+            prefix = True if voc.add_space_prefix is None else voc.add_space_prefix
+            spaces = [normalizers.Replace(" ", "▁")]
+            tok.normalizer = normalizers.Sequence(([normalizers.Prepend("▁")] if prefix else []) + spaces)
+            tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                             decoders.Strip(" ", 1 if prefix else 0, 0)])
+            add_bos = True if voc.add_bos is None else voc.add_bos
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, types, strict=True) if k == CONTROL and t])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED and t])
+        bos = None if voc.bos is None else tokens[voc.bos]
+        if add_bos and bos is not None:
+            tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                               special_tokens=[(bos, vocab[bos])])
+    except BaseException as e:  # the library's own errors; a Rust panic (pyo3's) is a BaseException
+        if isinstance(e, (UnsupportedModel, KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise
+        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise CheckpointError(f"the GGUF's vocabulary (tokenizer.ggml.tokens, token_type, merges) cannot be "
+                              f"rebuilt as a tokenizer: {first}") from None
+    return GgufTokenizer(tok, bos, None if voc.eos is None else tokens[voc.eos], voc.chat_template)
 
 
 def write_tokenizer_files(gguf: Path, dst: Path) -> None:
     """`tokenizer.json` and `tokenizer_config.json` in `dst` for the tokenizer the GGUF carries."""
     with GGUFFile(gguf) as g:
-        built = tokenizer_from_gguf(g.metadata)
+        built = tokenizer_from_gguf(read_vocabulary(g))
     built.tokenizer.save(str(dst / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
               "bos_token": built.bos_token, "eos_token": built.eos_token}

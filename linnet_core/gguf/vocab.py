@@ -124,15 +124,8 @@ def read_vocab(folder: Path, vocab_size: int) -> GgufVocab:
     return GgufVocab("llama", tokens, types, scores=scores, add_space_prefix=space_prefix)
 
 
-def vocab_from_gguf(meta: dict) -> GgufVocab:
-    """The vocabulary a GGUF carries, to be written again (a GGUF model exported in another format)."""
-    model, tokens = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.tokens")
-    if model not in ("gpt2", "llama") or not isinstance(tokens, list):
-        raise UnsupportedModel(f"the GGUF's vocabulary ({model or 'none'}) cannot be written again "
-                               "(supported: gpt2, llama)")
-    scores = meta.get("tokenizer.ggml.scores")
-    types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))]
-    return GgufVocab(model, list(tokens), types, scores=None if scores is None else [float(x) for x in scores],
-                     pre=meta.get("tokenizer.ggml.pre"),
-                     add_space_prefix=meta.get("tokenizer.ggml.add_space_prefix"),
-                     merges=list(meta.get("tokenizer.ggml.merges", [])))
+def vocab_from_gguf(voc) -> GgufVocab:
+    """The vocabulary a GGUF carries (gguf.schema's Vocabulary, checked), to be written again (a GGUF
+    model exported in another format)."""
+    return GgufVocab(voc.model, list(voc.tokens), list(voc.types), scores=voc.scores, pre=voc.pre,
+                     add_space_prefix=voc.add_space_prefix, merges=[f"{a} {b}" for a, b in voc.merges])

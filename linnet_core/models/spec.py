@@ -8,6 +8,7 @@ exports) reads only this. Both config styles are read here once: transformers 5
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -82,15 +83,27 @@ def require(cfg: dict, *keys: str) -> Any:
     raise UnsupportedModel(f"config.json has no '{keys[0]}'", hint="is this a decoder-only LLM checkpoint?")
 
 
-def positive_int(cfg: dict, *keys: str, default: int | None = None) -> int:
-    """`require` for a count or a size: a positive integer (an integral float such as 32.0 passes,
-    as JSON writers emit them), else the config is refused by name in one line."""
+def positive_int(cfg: dict, *keys: str, default: int | None = None, most: int = 1 << 24) -> int:
+    """`require` for a count or a size: a positive integer up to `most` (an integral float such as
+    32.0 passes, as JSON writers emit them), else the config is refused by name in one line."""
     value = require(cfg, *keys) if default is None else next(
         (cfg[k] for k in keys if cfg.get(k) is not None), default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
-        raise CheckpointError(f"config.json: '{keys[0]}' must be a positive integer, got {str(value)[:40]}",
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value) or not 1 <= value <= most:
+        raise CheckpointError(f"config.json: '{keys[0]}' must be an integer from 1 to {most}, got {str(value)[:40]}",
                               hint="the config is damaged or not a model's config")
     return int(value)
+
+
+def finite(value: Any, name: str, *, above: float = 0.0, at_most: float = math.inf) -> float:
+    """A config number: finite and in (above, at_most], else refused by name in one line (a NaN would
+    reach the generated source and every logit)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not above < value <= at_most:
+        limit = f" and at most {at_most:g}" if at_most < math.inf else ""
+        raise CheckpointError(f"config.json: '{name}' must be a finite number above {above:g}{limit}, "
+                              f"got {str(value)[:40]}", hint="the config is damaged or not a model's config")
+    return float(value)
 
 
 def read_dtype(cfg: dict) -> str:
@@ -110,26 +123,27 @@ def read_rope(cfg: dict) -> RopeSpec:
         )
     theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
     partial = merged.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0
-    spec = RopeSpec(type=kind, theta=float(theta), partial_rotary_factor=float(partial))
+    spec = RopeSpec(type=kind, theta=finite(theta, "rope_theta", above=1.0),
+                    partial_rotary_factor=finite(partial, "partial_rotary_factor", at_most=1.0))
     if kind == "linear":
-        spec = RopeSpec(**{**asdict(spec), "factor": float(merged["factor"])})
+        spec = RopeSpec(**{**asdict(spec), "factor": finite(merged.get("factor"), "rope_scaling.factor")})
     elif kind == "llama3":
         try:
             spec = RopeSpec(
                 **{
                     **asdict(spec),
-                    "factor": float(merged["factor"]),
-                    "low_freq_factor": float(merged["low_freq_factor"]),
-                    "high_freq_factor": float(merged["high_freq_factor"]),
-                    "original_max_position_embeddings": int(
-                        merged.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
-                    ),
+                    **{k: finite(merged[k], f"rope_scaling.{k}")
+                       for k in ("factor", "low_freq_factor", "high_freq_factor")},
+                    "original_max_position_embeddings": positive_int(
+                        {"original_max_position_embeddings": merged.get("original_max_position_embeddings")
+                         or cfg.get("max_position_embeddings")}, "original_max_position_embeddings"),
                 }
             )
         except KeyError as e:
             raise UnsupportedModel(f"llama3 rope scaling lacks '{e.args[0]}' in config.json") from None
     elif kind == "freq_factors":
-        spec = RopeSpec(**{**asdict(spec), "freq_factors": tuple(float(f) for f in merged.get("freq_factors", ()))})
+        spec = RopeSpec(**{**asdict(spec), "freq_factors": tuple(finite(f, "rope_scaling.freq_factors")
+                                                                 for f in merged.get("freq_factors", ()))})
     return spec
 
 
@@ -160,14 +174,18 @@ def read_eos(cfg: dict) -> tuple[int, ...]:
     eos = cfg.get("eos_token_id")
     if eos is None:
         return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"config.json: 'eos_token_id' must be a token id or a list of them, got {str(eos)[:40]}",
+                              hint="the config is damaged or not a model's config")
+    return tuple(ids)
 
 
 def common_spec(cfg: dict, model_type: str, family: str, **overrides: Any) -> ModelSpec:
     """The fields every supported family reads the same way; families override the rest."""
     hidden = positive_int(cfg, "hidden_size")
     heads = positive_int(cfg, "num_attention_heads")
-    layers = positive_int(cfg, "num_hidden_layers")
+    layers = positive_int(cfg, "num_hidden_layers", most=1 << 12)  # 30x the deepest model: loops stay short
     fields: dict[str, Any] = dict(
         model_type=model_type,
         family=family,
@@ -178,7 +196,7 @@ def common_spec(cfg: dict, model_type: str, family: str, **overrides: Any) -> Mo
         num_heads=heads,
         num_kv_heads=positive_int(cfg, "num_key_value_heads", default=heads),
         head_dim=positive_int(cfg, "head_dim", default=max(1, hidden // heads)),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=finite(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", at_most=1.0),
         rope=read_rope(cfg),
         max_position_embeddings=positive_int(cfg, "max_position_embeddings", default=2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
