@@ -10,14 +10,15 @@ import httpx
 
 
 @contextmanager
-def app_in_thread(app):
-    """Serve an ASGI app with uvicorn on a free local port in a thread; yields its base URL."""
+def app_in_thread(app, **options):
+    """Serve an ASGI app with uvicorn on a free local port in a thread (`options`: more uvicorn.Config
+    settings); yields its base URL."""
     import uvicorn
 
     from linnet_core.serve import free_port
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", **options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:

@@ -119,8 +119,22 @@ def test_body_limits_before_and_while_reading(served):
     def chunks():  # chunked, no length: counted as it arrives
         for _ in range(40):
             yield b" " * 1024
-    r = httpx.post(f"{url}/v1/completions", headers=AUTH, content=chunks())
+    r = httpx.post(f"{url}/v1/completions", headers={**AUTH, "Content-Type": "application/json"}, content=chunks())
     assert r.status_code == 413 and "the limit is" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", "application/jsonx"])
+def test_a_body_not_declared_json_is_refused(served, content_type):
+    """What a browser may send cross-site without a preflight (or no type at all) is a 415: a web page
+    cannot make a keyless local server compute."""
+    headers = {**AUTH, **({"Content-Type": content_type} if content_type else {})}
+    r = httpx.post(f"{served[0]}/v1/completions", headers=headers, content=json.dumps({"prompt": "x", "max_tokens": 1}))
+    assert r.status_code == 415 and "Content-Type: application/json" in r.json()["error"]["message"]
+    for ok in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json"):
+        r = httpx.post(f"{served[0]}/v1/completions", headers={**AUTH, "Content-Type": ok},
+                       content=json.dumps({"prompt": "x", "max_tokens": 1}))
+        assert r.status_code == 200, (ok, r.text)
 
 
 def test_a_batch_of_prompts_gets_one_choice_each(served):

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,93 @@ def test_a_thousand_requests_with_drops_fuzz_and_restarts(tokenized_checkpoints,
     generated = metric(after, "linnet_generated_tokens_total") - metric(before, "linnet_generated_tokens_total")
     assert whole_tokens <= generated <= sum(j["max_tokens"] for j, _ in good)
     assert rss_end <= rss_warm * 1.10, (rss_warm, rss_end)
+
+
+# -- one address against the rest (issue 39) ------------------------------------------------------
+
+def _attack(port: int, sockets: int) -> dict:
+    """From 127.0.0.2: `sockets` connections held open (idle, headers a byte at a time, chunked bodies
+    never finished); from 127.0.0.3 (the first is at its cap by then): header floods and clients leaving
+    mid-body. Returns what the floods got and the held sockets."""
+    import socket
+
+    def connect(source="127.0.0.2"):
+        return socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0))
+
+    held = []
+    for i in range(sockets):
+        s = connect()
+        try:
+            if i % 3 == 1:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            elif i % 3 == 2:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n")
+        except OSError:
+            pass
+        held.append(s)
+    floods = []
+    for extra in [b"".join(b"X-%d: y\r\n" % i for i in range(10_000))] * 3 + [b"X-Big: " + b"a" * (32 << 20) + b"\r\n"]:
+        with connect("127.0.0.3") as s:
+            try:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + extra + b"\r\n")
+            except OSError:
+                pass
+            floods.append(s.recv(64).split(b"\r\n")[0])
+    for _ in range(10):  # a client leaving mid-body: one line in the log each
+        with connect("127.0.0.3") as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+            time.sleep(0.05)
+    return {"held": held, "floods": floods}
+
+
+def test_one_address_cannot_lock_the_others_out(tokenized_checkpoints, tmp_path):
+    """~1,100 sockets from 127.0.0.2 (idle, slow headers, unfinished chunked bodies) and header floods,
+    while a client on 127.0.0.1 keeps its latency; the held sockets are closed by the server's own
+    deadlines, and nothing logs a traceback."""
+    server = Server(tokenized_checkpoints[CASE], tmp_path / "cache")
+    server.start()
+    port = int(server.url.rsplit(":", 1)[1])
+    body = {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+    def latencies(n):
+        out = []
+        with httpx.Client(timeout=30) as client:
+            for _ in range(n):
+                started = time.perf_counter()
+                r = client.post(f"{server.url}/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                out.append(time.perf_counter() - started)
+        return sorted(out)[n // 2]
+
+    try:
+        alone = latencies(15)
+        attack_started = time.monotonic()
+        attack = _attack(port, 1100)
+        during = latencies(15)
+        # the held sockets: each closed by the server (408 or 503) within its deadline (a chunked body's:
+        # 10 s + 1 MiB at 64 KiB/s)
+        answers = []
+        for s in attack["held"]:
+            s.settimeout(max(1.0, attack_started + 40 - time.monotonic()))
+            got = b""
+            try:
+                while chunk := s.recv(65536):
+                    got += chunk
+            except ConnectionResetError:
+                pass
+            answers.append(got.split(b" ", 2)[1].decode() if got.startswith(b"HTTP/1.1 ") else "closed")
+            s.close()
+        closed_by = time.monotonic() - attack_started
+    finally:
+        server.terminate()
+    log = server.proc.stderr.read()
+    print(f"median latency alone {alone * 1000:.0f} ms, under attack {during * 1000:.0f} ms; "
+          f"{len(attack['held'])} sockets opened, answered {dict(Counter(answers))}; all closed after {closed_by:.0f} s")
+    assert all(f.startswith(b"HTTP/1.1 431") for f in attack["floods"]), attack["floods"]
+    assert during <= 2 * alone + 0.25, (alone, during)
+    assert closed_by < 40
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
+    left = [ln for ln in log.splitlines() if "left after" in ln]
+    assert 1 <= len(left) <= 10, log[-3000:]

@@ -45,6 +45,9 @@ def serve_command(
     max_connections: Annotated[Optional[int], typer.Option(
         "--max-connections", min=1, help="Open connections before uvicorn answers 503 (default: rows + "
         "--max-waiting + 64, room for /health and /metrics).")] = None,
+    max_client_connections: Annotated[Optional[int], typer.Option(
+        "--max-client-connections", min=1, help="Open connections one client address may hold (default: half of "
+        "--max-connections), so no one client can take every slot.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1,
                                                       help="Largest max_tokens a request may ask for.")] = None,
     prefill_chunk: PrefillChunkOpt = ServeConfig.prefill_chunk,
@@ -61,8 +64,10 @@ def serve_command(
     config = ServeConfig(model, backend.value, dtype, rows, cache_len, prefill_chunk, max_waiting, decode_stall,
                          burst_wait, prefix_caching)
     try:
+        import httptools  # noqa: F401 - the parser the connection guard runs on
         import uvicorn
 
+        from linnet_core.serve.guard import ConnectionLimits, uvicorn_options
         from linnet_core.serve.http import Limits, Server, create_app  # imports torch: not at start-up
     except ImportError as e:
         raise BackendUnavailable(f"linnet serve needs {e.name}, which is not installed",
@@ -79,8 +84,9 @@ def serve_command(
     app = create_app(Server(served.engine, served.tokenizer, served_name, limits), api_key, drain_timeout)
     sink.info(f"serving '{served_name}' on http://{host}:{port}/v1 ({compiled.backend}, {compiled.dtype}, {rows} rows "
               f"of {session.cache_len} positions){'; API key required' if api_key else ''}")
+    total = max_connections or rows + max_waiting + 64
+    guard = ConnectionLimits(per_peer=max_client_connections or max(1, total // 2))
     uvicorn.run(app, host=host, port=port, log_level="warning" if not quiet else "error",
                 timeout_graceful_shutdown=int(drain_timeout) + 1, access_log=False,
-                limit_concurrency=max_connections or rows + max_waiting + 64, timeout_keep_alive=5,
-                h11_max_incomplete_event_size=64 * 1024)
+                **uvicorn_options(guard, limits.max_body_bytes, total))
     os._exit(0)  # the engine thread and backend runtimes are done: skip slow interpreter teardown

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,12 +21,14 @@ from dataclasses import dataclass
 from fastapi import (
     Request,  # at module level: the handlers' annotations are resolved from here
 )
+from starlette.requests import ClientDisconnect
 
 from ..errors import InputError, LinnetError
 from ..tokenizer import Tokenizer
 from . import Mailbox
 from .engine import Delta, Engine, EngineFull, EngineUnavailable, GenerationRequest, Handle
 from .fields import FieldError, generation_request, parse_json
+from .guard import REFUSED
 
 MAX_BATCH = 64  # prompts in one completions request
 RETRY_AFTER_S = 5  # what a shutting-down or broken server tells clients to wait before retrying elsewhere
@@ -51,6 +54,23 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+class ClientLeft(Exception):
+    """The client hung up before its request was read (or the connection guard ended it): one line in
+    the log where a client left (the message), none where the guard answered, and no answer."""
+
+
+def is_json(content_type: str | None) -> bool:
+    """A JSON media type (application/json or any +json), parameters aside. A browser sends anything
+    else cross-site without asking the server first (a "simple request"): refusing it keeps a local
+    server keyless yet out of reach of the pages its user visits."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _peer(request: Request) -> str:
+    return request.client.host if request.client else "unknown"
+
+
 class Server:
     """Requests in, engine handles out: parsing, validation and the response shapes."""
 
@@ -68,8 +88,12 @@ class Server:
 
     # -- parsing ----------------------------------------------------------------------------
     async def read_body(self, request: Request) -> bytes:
-        """The body, refused with 413 once it passes the limit: by its Content-Length before any of it
-        is read, or counted while a chunked one arrives."""
+        """The body, refused with 415 unless it is declared JSON and with 413 once it passes the limit:
+        by its Content-Length before any of it is read, or counted while a chunked one arrives."""
+        if not is_json(request.headers.get("content-type")):
+            raise ApiError(415, "send the body as JSON, with 'Content-Type: application/json' (curl: -H "
+                                "'Content-Type: application/json'); other types are refused so that no web page "
+                                "can make this server compute")
         limit = self.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None:
@@ -78,11 +102,16 @@ class Server:
             if int(declared) > limit:
                 raise ApiError(413, f"the body is {int(declared)} bytes; the limit is {limit}")
         parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise ApiError(413, f"the body is over {limit} bytes; the limit is {limit}")
-            parts.append(part)
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise ApiError(413, f"the body is over {limit} bytes; the limit is {limit}")
+                parts.append(part)
+        except ClientDisconnect:
+            guarded = REFUSED in request.scope  # the connection guard ended it (a body too slow): said by its 408
+            raise ClientLeft(None if guarded else f"a client ({_peer(request)}) left after {size} bytes of its "
+                                                  "request body") from None
         return b"".join(parts)
 
     def parse(self, raw: bytes) -> dict:
@@ -277,7 +306,7 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
 
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     @asynccontextmanager
@@ -293,6 +322,12 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
     async def api_error(request, e: ApiError):
         headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(ClientLeft)
+    async def client_left(request, e: ClientLeft):  # no traceback: a client may hang up at any time
+        if e.args[0]:
+            logging.getLogger("uvicorn.error").warning("%s", e.args[0])
+        return Response(status_code=400)  # sent to no one
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e):
