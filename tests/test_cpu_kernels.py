@@ -488,8 +488,10 @@ def test_a_forced_level_the_cpu_lacks_stops_the_cli_in_one_line(tmp_path):
     assert f"{build.LEVEL_ENV}={missing.name} asks for {missing.label}, which this CPU lacks" in out.stderr
 
 
+# Inductor's tests stay at the top level only: they compile the same kernels' custom ops, and each
+# C++ compile costs ~a minute a level on 2 cores (CI's budget).
 LOWER_LEVEL_TESTS = ["tests/test_cpu_kernels.py", "tests/test_quantized.py", "-k",
-                     "not lower_level and not fresh_machine and (kernel or repacking or cpu_kernels or inductor or gpu_path)"]
+                     "not lower_level and not fresh_machine and not inductor and (kernel or repacking or cpu_kernels)"]
 
 
 @pytest.mark.slow

@@ -20,12 +20,15 @@ import numpy as np
 
 from ..errors import UnsupportedModel
 from .reader import GGUFError, GGUFFile
+from .vocab import CONTROL, USER_DEFINED
 
 UNSIGNED = ("u8", "u16", "u32", "u64")
 INTEGERS = (*UNSIGNED, "i8", "i16", "i32", "i64")
 FLOATS = ("f32", "f64")
 MAX_WIDTH = 1 << 20  # embedding, feed-forward and head widths, head counts: 16x the largest in use
 MAX_CONTEXT = 1 << 24
+MAX_ADDED_TOKENS = 1 << 17  # control and user-defined pieces: each is matched whole, ~5 us apiece to build
+MAX_TOKEN_CHARS = 1024  # 8x the longest piece in use; rebuilding a SentencePiece vocabulary costs length^2 a piece
 # gguf.TokenType: 0 undefined, then normal, unknown, control, user-defined, unused, byte
 TOKEN_TYPES = range(7)
 _LAYER = re.compile(r"blk\.(\d+)\.")
@@ -137,6 +140,9 @@ class Metadata:
         n = len(tokens)
         if not n:
             raise self.fail("tokenizer.ggml.tokens", "holds no tokens")
+        longest = max(map(len, tokens))
+        if longest > MAX_TOKEN_CHARS:
+            raise self.fail("tokenizer.ggml.tokens", f"holds a token of {longest} characters (at most {MAX_TOKEN_CHARS})")
         model = self.string("tokenizer.ggml.model")
         if model not in ("gpt2", "llama"):
             raise UnsupportedModel(f"the GGUF's tokenizer type '{model[:40]}' is not supported (supported: gpt2, llama)",
@@ -145,6 +151,10 @@ class Metadata:
         if types is not None and not np.isin(types, TOKEN_TYPES).all():
             bad = int(types[~np.isin(types, TOKEN_TYPES)][0])
             raise self.fail("tokenizer.ggml.token_type", f"must hold token types 0 to 6, holds {bad}")
+        added = 0 if types is None else int(np.isin(types, (CONTROL, USER_DEFINED)).sum())
+        if added > MAX_ADDED_TOKENS:
+            raise self.fail("tokenizer.ggml.token_type", f"marks {added} tokens control or user-defined "
+                                                         f"(at most {MAX_ADDED_TOKENS})")
         scores = self._per_token("tokenizer.ggml.scores", FLOATS, "scores", n)
         if scores is not None and not np.isfinite(scores).all():
             raise self.fail("tokenizer.ggml.scores", "must hold finite scores, holds a NaN or an infinity")
