@@ -9,6 +9,7 @@ import typer
 
 from linnet_core.errors import BackendUnavailable
 from linnet_core.serve.config import ServeConfig
+from linnet_core.serve.guard import ConnectionLimits, uvicorn_options
 
 from ..options import (
     BackendName,
@@ -67,7 +68,6 @@ def serve_command(
         import httptools  # noqa: F401 - the parser the connection guard runs on
         import uvicorn
 
-        from linnet_core.serve.guard import ConnectionLimits, uvicorn_options
         from linnet_core.serve.http import Limits, Server, create_app  # imports torch: not at start-up
     except ImportError as e:
         raise BackendUnavailable(f"linnet serve needs {e.name}, which is not installed",
