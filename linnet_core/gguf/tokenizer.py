@@ -40,7 +40,7 @@ class GgufTokenizer:
     chat_template: str | None
 
 
-SPLIT_BUDGET = 6_000_000
+SPLIT_BUDGET = 6_000_000  # characters of normal pieces a SentencePiece vocabulary may hold (spm_merges)
 
 
 def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
