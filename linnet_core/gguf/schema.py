@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import UnsupportedModel
 from .reader import GGUFError, GGUFFile
-from .vocab import CONTROL, USER_DEFINED
+from .vocab import CONTROL, NORMAL, USER_DEFINED
 
 UNSIGNED = ("u8", "u16", "u32", "u64")
 INTEGERS = (*UNSIGNED, "i8", "i16", "i32", "i64")
@@ -91,9 +91,9 @@ class Metadata:
         allows per-layer values for some keys; Linnet's decoder has one)."""
         expected = f"an integer from {least} to {most}"
         kinds = INTEGERS + tuple(f"array[{k}]" for k in INTEGERS) if per_layer else INTEGERS
-        if key not in self.values:
-            return self._get(key, kinds, expected, default)
         value = self._get(key, kinds, expected, default)
+        if key not in self.values:
+            return value
         if isinstance(value, np.ndarray):
             values = {int(v) for v in value}
             if len(values) != 1:
@@ -107,9 +107,9 @@ class Metadata:
     def number(self, key: str, default: Any = _MISSING, *, above: float = 0.0, below: float = math.inf) -> float:
         """A finite float in (above, below)."""
         expected = f"a finite number above {above:g}" + (f" and below {below:g}" if below < math.inf else "")
-        if key not in self.values:
-            return self._get(key, FLOATS, expected, default)
         value = self._get(key, FLOATS, expected, default)
+        if key not in self.values:
+            return value
         if not (math.isfinite(value) and above < value < below):
             raise self.fail(key, f"must hold {expected}, holds {value}")
         return float(value)
@@ -160,7 +160,7 @@ class Metadata:
             raise self.fail("tokenizer.ggml.scores", "must hold finite scores, holds a NaN or an infinity")
         ids = {k: self._token_id(f"tokenizer.ggml.{k}_token_id", n) for k in ("bos", "eos", "eot", "unknown", "padding")}
         return Vocabulary(
-            model=model, tokens=tokens, types=[1] * n if types is None else types.astype(int).tolist(),
+            model=model, tokens=tokens, types=[NORMAL] * n if types is None else types.astype(int).tolist(),
             scores=None if scores is None else scores.astype(float).tolist(),
             merges=self._merges(tokens), pre=self.string("tokenizer.ggml.pre", None),
             **ids, add_bos=self.flag("tokenizer.ggml.add_bos_token", None),
