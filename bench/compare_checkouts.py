@@ -11,6 +11,12 @@ tokens/s, TTFT p99 and ITL p99.
     python bench/compare_checkouts.py HEAD~3 /tmp/qwen3-191m --rounds 3 --save bench/results/compare.json
     python bench/compare_checkouts.py HEAD~3 /tmp/qwen3-191m --dtype q4_0 --backends torch --rounds 3
     python bench/compare_checkouts.py HEAD~1 /tmp/qwen3-191m --serving --backends torch --rounds 3
+    python bench/compare_checkouts.py HEAD~3 /tmp/qwen3-191m --dtype q4_0 --backends torch --steps 400
+
+`--steps N` holds one decode session of each commit open in its own process and steps them in
+turn, one decode step each (N each), so both see the same minutes of a shared machine: on this
+one, whose memory bandwidth drifts by half from minute to minute, it finds a 5% change that
+whole `linnet bench` rounds cannot.
 
 Both checkouts run in this Python environment (the base's code put first on PYTHONPATH), so
 they share every dependency's version.
@@ -28,6 +34,49 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def step_child(model: str, backend: str, dtype: str, prompt_tokens: int) -> None:
+    """--steps' child: one session of this process's Linnet; a decode step per line read, its seconds written."""
+    import time
+
+    from linnet_core.compile import load_model
+
+    session, _ = load_model(model, backend, dtype or "auto", cache_len=1024)
+    prompt = [5 + i % 1000 for i in range(prompt_tokens)]
+    token, k = session.prefill(prompt).tokens[0], 0
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        k = 0 if prompt_tokens + k >= 1000 else k  # back to the prompt's end before the cache fills
+        start = time.perf_counter()
+        token = session.decode([token], [prompt_tokens + k], [0]).tokens[0]
+        k += 1
+        print(time.perf_counter() - start, flush=True)
+
+
+def interleaved_steps(sides: dict[str, Path], work: Path, backend: str, args: argparse.Namespace) -> dict[str, float]:
+    """Median seconds of a decode step for each side, the sides stepping in turn (--steps)."""
+    # a waiting side's OpenMP threads would spin on the cores the stepping side needs
+    procs = {}
+    for name, code in sides.items():
+        env = {**os.environ, "PYTHONPATH": str(code), "LINNET_CACHE": str(work / f"cache-{name}"),
+               "OMP_WAIT_POLICY": "PASSIVE"}
+        procs[name] = subprocess.Popen(
+            [sys.executable, __file__, "--child", args.model, backend, args.dtype or "", str(args.prompt_tokens)],
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if procs[name].stdout.readline().strip() != "ready":
+            raise SystemExit(f"{name}: the {backend} session did not start")
+    times: dict[str, list[float]] = {name: [] for name in procs}
+    for i in range(args.steps):
+        for name in (list(procs) if i % 2 else list(procs)[::-1]):
+            procs[name].stdin.write("\n")
+            procs[name].stdin.flush()
+            times[name].append(float(procs[name].stdout.readline()))
+    for proc in procs.values():
+        proc.stdin.close()
+        proc.wait()
+    warm = min(20, args.steps // 5)
+    return {name: statistics.median(t[warm:]) for name, t in times.items()}
 
 
 def bench(code: Path, model: str, cache: Path, args: argparse.Namespace, out: Path) -> dict:
@@ -59,6 +108,9 @@ def figures(result: dict, serving: bool) -> dict[str, dict[str, float]]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        model, backend, dtype, prompt_tokens = sys.argv[2:6]
+        return step_child(model, backend, dtype, int(prompt_tokens))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("base", help="the commit to compare against (e.g. HEAD~3)")
     p.add_argument("model", help="checkpoint folder (e.g. from bench/make_qwen3_191m.py)")
@@ -70,6 +122,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--warmups", type=int, default=2)
     p.add_argument("--save", type=Path, help="write every round's figures and the medians as JSON")
+    p.add_argument("--steps", type=int, help="decode steps of each side in turn, in two open sessions (see above)")
     p.add_argument("--serving", action="store_true", help="compare the serving bench instead of decode")
     p.add_argument("--targets", default="engine,http", help="--serving: the serving bench's targets")
     p.add_argument("--rows", type=int, default=8, help="--serving: engine rows (and requests in flight)")
@@ -83,6 +136,18 @@ def main() -> None:
                    stdout=subprocess.DEVNULL)
     sides = {"base": base_tree, "this": ROOT}
     rounds: dict[str, list[dict]] = {name: [] for name in sides}
+    if args.steps:
+        try:
+            steps = {backend: interleaved_steps(sides, work, backend, args) for backend in args.backends.split(",")}
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_tree)], check=False)
+        print(f"\n| backend | base ms a step | this ms a step | this/base speed |\n|---|---:|---:|---:|")
+        for backend, m in steps.items():
+            print(f"| {backend} | {m['base'] * 1e3:.3f} | {m['this'] * 1e3:.3f} | {m['base'] / m['this']:.3f}× |")
+        if args.save:
+            args.save.write_text(json.dumps({"base": args.base, "model": args.model, "dtype": args.dtype,
+                                             "steps": args.steps, "median_step_s": steps}, indent=1))
+        return
     try:
         for r in range(args.rounds):
             order = list(sides) if r % 2 == 0 else list(sides)[::-1]

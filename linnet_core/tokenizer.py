@@ -6,7 +6,9 @@ model fall back to transformers' AutoTokenizer.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,24 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # older configs store AddedToken dicts
         return value.get("content")
     return value if isinstance(value, str) else None
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte (the inverse of its bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback pieces
 
 
 def _read_json(path: Path) -> dict:
@@ -107,6 +127,29 @@ class Tokenizer:
         if self._tok:
             return self._tok.decode(ids, skip_special_tokens=True)
         return self._fallback.decode(ids, skip_special_tokens=True)
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether pieces are GPT-2 byte-level characters (the decoder says so) rather than SentencePiece's."""
+        if self._tok is None:
+            return False
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or [] if isinstance(d, dict)}
+        return "ByteLevel" in kinds
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes token `token` stands for in decoded text (a piece of a UTF-8 character, possibly),
+        as the OpenAI API's logprobs report them."""
+        piece = self._tok.id_to_token(token) if self._tok else self._fallback.convert_ids_to_tokens(token)
+        if not isinstance(piece, str):
+            return b""
+        if self._byte_level:
+            alphabet = _byte_level_alphabet()
+            if all(c in alphabet for c in piece):
+                return bytes(alphabet[c] for c in piece)
+            return piece.encode()  # an added token kept as written
+        byte = _BYTE_PIECE.fullmatch(piece)
+        return bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode()
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of `messages` rendered by the checkpoint's template, ready for the reply."""

@@ -70,11 +70,12 @@ BAD = [
     (json.dumps({"prompt": "x", "stop_token_ids": [10 ** 9]}).encode(), "token ids in", "stop_token_ids"),
     (json.dumps({"prompt": "x", "top_k": 10 ** 20}).encode(), "'top_k' must be <=", "top_k"),
     (json.dumps({"prompt": "x", "ignore_eos": "yes"}).encode(), "'ignore_eos'", "ignore_eos"),
-    (json.dumps({"prompt": "x", "n": 2}).encode(), "'n' is not supported", "n"),
-    (json.dumps({"prompt": "x", "logprobs": 3}).encode(), "'logprobs' is not supported", "logprobs"),
-    (json.dumps({"prompt": "x", "logit_bias": {"5": 10}}).encode(), "'logit_bias'", "logit_bias"),
-    (json.dumps({"prompt": "x", "presence_penalty": 0.5}).encode(), "'presence_penalty'", "presence_penalty"),
-    (json.dumps({"prompt": "x", "frequency_penalty": 1}).encode(), "'frequency_penalty'", "frequency_penalty"),
+    (json.dumps({"prompt": "x", "n": 0}).encode(), "'n' must be >= 1", "n"),
+    (json.dumps({"prompt": "x", "logprobs": 21}).encode(), "'logprobs' must be <= 20", "logprobs"),
+    (json.dumps({"prompt": "x", "logit_bias": {"x5": 10}}).encode(), "'logit_bias' keys", "logit_bias"),
+    (json.dumps({"prompt": "x", "presence_penalty": 2.5}).encode(), "'presence_penalty' must be <=", "presence_penalty"),
+    (json.dumps({"prompt": "x", "frequency_penalty": "1"}).encode(), "'frequency_penalty'", "frequency_penalty"),
+    (json.dumps({"prompt": "x", "suffix": "y"}).encode(), "'suffix' is not supported", "suffix"),
     (json.dumps({"prompt": "x", "tools": [{"type": "function"}]}).encode(), "'tools'", "tools"),
     (json.dumps({"prompt": "x" * 4001}).encode(), "the limit is 4000", "prompt"),
     (json.dumps({"prompt": ["a"] * 65}).encode(), "the limit is 64", "prompt"),
@@ -149,11 +150,12 @@ def test_a_batch_of_prompts_gets_one_choice_each(served):
         assert c["text"] == tok.decode(alone_ids(alone, tok.encode(p), 5)) and c["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 15
     with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, json={
-            "prompt": prompts, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True}) as s:
-        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+            "prompt": prompts, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}) as s:
+        *events, usage = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     streamed = {i: "".join(e["choices"][0]["text"] for e in events if e["choices"][0]["index"] == i) for i in range(3)}
     assert [streamed[i] for i in range(3)] == [c["text"] for c in body["choices"]]
-    assert events[-1]["usage"]["completion_tokens"] == 15
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 15
 
 
 def test_chat_default_max_tokens_is_the_rest_of_the_context(served):
@@ -211,10 +213,10 @@ def test_a_request_whose_output_fails_ends_alone(sessions):
         emit = engine._emit
         poisoned = set()
 
-        def faulty(a, token):
+        def faulty(a, token, *rest):
             if a.handle.id in poisoned:
                 raise RuntimeError("injected")
-            emit(a, token)
+            emit(a, token, *rest)
 
         engine._emit = faulty
         prompts = [tok.encode(t) for t in ("The list object", "Hello there", "Why not")]
@@ -339,8 +341,8 @@ def test_the_official_openai_client(served):
                                             temperature=0, stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat.choices[0].message.content
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt="x", n=2)
-    assert e.value.body["param"] == "n"
+        client.completions.create(model="tiny", prompt="x", suffix="y")
+    assert e.value.body["param"] == "suffix"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
 

@@ -113,16 +113,22 @@ def sse(lines):
 def test_streaming_chat_matches_the_whole_answer(served):
     url, engine, alone, tok = served
     req = {"messages": [{"role": "user", "content": "Why?"}], "max_tokens": 10, "temperature": 0,
-           "ignore_eos": True, "stream": True}
+           "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{url}/v1/chat/completions", headers=AUTH, json=req) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        chunks = sse(r.iter_lines())
+        *chunks, usage = sse(r.iter_lines())
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks + [usage])
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
-    whole = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, json={**req, "stream": False}).json()
+    plain = {k: v for k, v in req.items() if k not in ("stream", "stream_options")}
+    whole = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, json=plain).json()
     assert text == whole["choices"][0]["message"]["content"]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 10
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # OpenAI's closing chunk: no choices, the usage; only when asked for
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    assert not any("usage" in c for c in chunks)
+    with httpx.stream("POST", f"{url}/v1/chat/completions", headers=AUTH, json={**plain, "stream": True}) as r:
+        assert not any("usage" in c for c in sse(r.iter_lines()))
 
 
 def test_200_concurrent_streams_with_drops(served):

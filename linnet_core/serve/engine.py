@@ -30,9 +30,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from ..errors import InputError
-from ..runtime.sampling import Sampler, SamplingParams
+from ..runtime.sampling import Sampler, SamplingParams, TokenLogprobs, logprobs_at
 from ..runtime.session import Chunk, Session
 from ..runtime.threads import release_openmp_pool
 from ..tokenizer import IncrementalDecoder, Tokenizer
@@ -65,6 +66,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # the prompt's own log-probabilities, each with this many likeliest (echo): computed without the
+    # prefix cache, sent in one delta before the first token; max_tokens may then be 0 (scoring only)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         # The engine's thread trusts these types; a face that builds a request wrongly fails here.
@@ -87,6 +91,8 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id, when the request asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # the prompt's, once (GenerationRequest.prompt_logprobs)
 
 
 @dataclass
@@ -191,13 +197,16 @@ class _Active:
 
     def __init__(self, handle: Handle, row: int, tokenizer: Tokenizer | None, reused: int = 0):
         self.handle, self.row = handle, row
-        self.sampler = Sampler(handle.request.sampling)
+        self.sampler = Sampler(handle.request.sampling, handle.request.prompt)
         self.prefilled = reused  # prompt tokens already in the cache (a prefix found there counts)
         self.found_prefix = reused > 0
         self.position = 0  # where the next token goes
         self.last: int | None = None  # the token to feed next
         self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self.held = ""  # text that might be the start of a stop string
+        self.scoring = handle.request.prompt_logprobs is not None
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        self.carry = None  # log-probabilities after the last prompt chunk scored: its next token's
 
 
 class Engine:
@@ -242,8 +251,9 @@ class Engine:
     def validate(self, request: GenerationRequest) -> None:
         if not request.prompt:
             raise InputError("the prompt is empty")
-        if request.max_tokens < 1:
-            raise InputError(f"max_tokens must be at least 1, got {request.max_tokens}")
+        least = 0 if request.prompt_logprobs is not None else 1  # a scored prompt needs no new token
+        if request.max_tokens < least:
+            raise InputError(f"max_tokens must be at least {least}, got {request.max_tokens}")
         if len(request.prompt) + request.max_tokens > self.cache_len:
             raise InputError(f"the prompt ({len(request.prompt)} tokens) and max_tokens ({request.max_tokens}) need "
                              f"{len(request.prompt) + request.max_tokens} positions; a cache row holds {self.cache_len}",
@@ -312,7 +322,7 @@ class Engine:
     def _admit(self, handle: Handle) -> None:
         """Into the free row holding the longest prefix of its prompt (or given a busy row's copy)."""
         reused = 0
-        if self.prefix is None:
+        if self.prefix is None or handle.request.prompt_logprobs is not None:  # scored: every position computed
             row = self._free.pop()
         else:
             row, reused, source = self.prefix.place(handle.request.prompt, self._free, list(self._active))
@@ -328,7 +338,7 @@ class Engine:
 
     def _catch_up(self, a: _Active) -> None:
         """Copy the positions of `a`'s prompt that another row has filled since `a` took its row."""
-        if self.prefix is None:
+        if self.prefix is None or a.scoring:
             return
         rows = list(self._active) + self._free
         source, n = self.prefix.catch_up(a.row, a.handle.request.prompt, a.prefilled, rows)
@@ -357,7 +367,7 @@ class Engine:
             prompt = a.handle.request.prompt
             end = min(len(prompt), a.prefilled + budget, a.prefilled + self.prefill_chunk)
             if self.prefix is not None:
-                if self.prefix.computed_beside(prompt, a.prefilled, planned):
+                if not a.scoring and self.prefix.computed_beside(prompt, a.prefilled, planned):
                     continue  # an older request computes these positions in this step: copied after it
                 planned.append((np.asarray(prompt[:end], dtype=np.int64), end))
             budget -= end - a.prefilled
@@ -368,6 +378,12 @@ class Engine:
         return out
 
     def _run(self, work: list[tuple[_Active, Chunk]]) -> None:
+        scored = [(a, c) for a, c in work if a.scoring and a.last is None]
+        for a, chunk in scored:
+            self._score(a, chunk)
+        work = [(a, c) for a, c in work if not (a.scoring and a.last is None)]
+        if not work:
+            return
         rewind = [a.sampler.snapshot() for a, _ in work]
         started = time.perf_counter()
         try:
@@ -386,20 +402,49 @@ class Engine:
         self.budget.observe(sum(len(c.ids) for _, c in work) - decoding, decoding, time.perf_counter() - started)
         for (a, chunk), token in zip(work, tokens, strict=True):
             try:
+                logprobs = a.sampler.take_logprobs() if chunk.sampler is not None else None
                 if len(chunk.ids) == 1 and a.last is not None:  # a decode step
                     a.position += 1
-                    self._emit(a, token)
+                    self._emit(a, token, logprobs)
                     continue
                 a.prefilled += len(chunk.ids)
                 if a.prefilled == len(a.handle.request.prompt):
                     a.position = a.prefilled
-                    self._emit(a, token)
+                    self._emit(a, token, logprobs)
             except Exception as e:  # noqa: BLE001 - this request's output failed: it ends, the others go on
                 log.error("request %d failed: %s: %s", a.handle.id, type(e).__name__, e)
                 if a.row in self._active:
                     self._finish(a, "error", "the server failed to produce this request's output")
 
-    def _emit(self, a: _Active, token: int) -> None:
+    def _score(self, a: _Active, chunk: Chunk) -> None:
+        """A scored request's prompt chunk, alone and with every position's logits: the log-probability
+        of each prompt token given those before it."""
+        req = a.handle.request
+        try:
+            out = self.session.prefill(chunk.ids, chunk.slot, chunk.start, logits="all", sampler=chunk.sampler)
+            logp = torch.from_numpy(out.logits[0]).log_softmax(-1)  # [T, V]
+            k, prompt = req.prompt_logprobs, req.prompt
+            if chunk.start == 0:
+                a.prompt_logprobs.append(TokenLogprobs(prompt[0], None))
+            if a.carry is not None:
+                a.prompt_logprobs.append(logprobs_at(a.carry, prompt[chunk.start], k))
+            a.prompt_logprobs += [logprobs_at(logp[j], prompt[chunk.start + j + 1], k) for j in range(len(chunk.ids) - 1)]
+            a.carry = logp[-1]
+            a.prefilled += len(chunk.ids)
+            if a.prefilled < len(prompt):
+                return
+            a.position, a.carry = a.prefilled, None
+            a.handle._push(Delta("", [], prompt_logprobs=a.prompt_logprobs))
+            if req.max_tokens == 0:
+                self._finish(a, "length")
+            else:
+                self._emit(a, out.tokens[0], a.sampler.take_logprobs() if chunk.sampler is not None else None)
+        except Exception as e:  # noqa: BLE001 - this request's scoring failed: it ends, the others go on
+            log.error("scoring request %d failed: %s: %s", a.handle.id, type(e).__name__, e)
+            if a.row in self._active:
+                self._finish(a, "error", "the model step failed for this request (the server log says why)")
+
+    def _emit(self, a: _Active, token: int, logprobs: TokenLogprobs | None = None) -> None:
         req, st = a.handle.request, a.handle.stats
         now = time.perf_counter()
         if (token in self.eos_ids and not req.ignore_eos) or token in req.stop_token_ids:
@@ -411,14 +456,15 @@ class Engine:
             self.metrics.tokens_generated += 1
         a.last = token
         text = a.held + (a.decoder.push(token) if a.decoder else "")
+        lps = [logprobs] if logprobs is not None else []
         cut = _first_stop(text, req.stop)
         if cut is not None:
-            a.handle._push(Delta(text[:cut], [token]))
+            a.handle._push(Delta(text[:cut], [token], logprobs=lps))
             self._finish(a, "stop")
             return
         keep = _stop_prefix_len(text, req.stop)
         a.held = text[len(text) - keep:] if keep else ""
-        a.handle._push(Delta(text[:len(text) - keep], [token]))
+        a.handle._push(Delta(text[:len(text) - keep], [token], logprobs=lps))
         if st.completion_tokens >= req.max_tokens or a.position >= self.cache_len:
             self._finish(a, "length")
 

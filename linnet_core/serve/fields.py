@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from ..errors import InputError
-from ..runtime.sampling import SamplingParams
+from ..runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from .engine import GenerationRequest
 
 MAX_STOPS = 16
@@ -22,22 +22,15 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed tak
 # OpenAI fields that would change the result, which Linnet does not implement: refused by name, never
 # ignored. Each maps to whether a given value asks for the feature (the neutral values pass).
 UNSUPPORTED = {
-    "n": lambda v: v not in (None, 1),
-    "best_of": lambda v: v not in (None, 1),
-    "logprobs": lambda v: v not in (None, False, 0),
-    "top_logprobs": lambda v: v not in (None, 0),
-    "logit_bias": lambda v: bool(v),
-    "presence_penalty": lambda v: v not in (None, 0),
-    "frequency_penalty": lambda v: v not in (None, 0),
-    "repetition_penalty": lambda v: v not in (None, 1),
     "tools": lambda v: bool(v),
     "tool_choice": lambda v: v not in (None, "none"),
     "functions": lambda v: bool(v),
     "function_call": lambda v: v not in (None, "none"),
-    "echo": lambda v: bool(v),
     "suffix": lambda v: bool(v),
     "response_format": lambda v: v not in (None, {"type": "text"}),
 }
+MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
+BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 
 
 class FieldError(InputError):
@@ -68,8 +61,8 @@ def prompt_char_limit(cache_len: int) -> int:
     return CHARS_PER_POSITION * cache_len
 
 
-def refuse_unsupported(fields: dict) -> None:
-    for name, asks in UNSUPPORTED.items():
+def refuse_unsupported(fields: dict, more: dict | None = None) -> None:
+    for name, asks in {**UNSUPPORTED, **(more or {})}.items():
         if name in fields and asks(fields[name]):
             raise FieldError(f"'{name}' is not supported by this server", name)
 
@@ -129,23 +122,85 @@ def stop_token_ids(fields: dict, vocab_size: int) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def sampling(fields: dict, default_temperature: float = 1.0) -> SamplingParams:
+def logit_bias(fields: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias}: ids as decimal strings (JSON keys) or integers, biases in [-100, 100]."""
+    bias = fields.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise FieldError(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12 else None
+        if token is None or not 0 <= token < vocab_size:
+            raise FieldError(f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {_short(repr(key))}",
+                             "logit_bias")
+        out[token] = float(number({"logit_bias": value}, "logit_bias", 0.0, *BIAS_RANGE))
+    return tuple(sorted(out.items()))
+
+
+def logprobs_count(fields: dict) -> int | None:
+    """How many top log-probabilities a token carries, or None for none: chat's `logprobs: true` with
+    `top_logprobs` (0..20), or completions' `logprobs: k` (0..20)."""
+    asked = fields.get("logprobs")
+    top = number(fields, "top_logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
+    if asked is None or asked is False:
+        if top:
+            raise FieldError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return None
+    if asked is True:
+        return top or 0
+    return number(fields, "logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
+
+
+def sampling(fields: dict, default_temperature: float, vocab_size: int) -> SamplingParams:
     seed = number(fields, "seed", None, *SEED_RANGE, integer=True)
-    return SamplingParams(temperature=float(number(fields, "temperature", default_temperature, 0.0, 2.0)),
-                          top_p=float(number(fields, "top_p", 1.0, 0.0, 1.0, low_open=True)),
-                          top_k=int(number(fields, "top_k", 0, 0, MAX_TOP_K, integer=True)), seed=seed)
+    return SamplingParams(
+        temperature=float(number(fields, "temperature", default_temperature, 0.0, 2.0)),
+        top_p=float(number(fields, "top_p", 1.0, 0.0, 1.0, low_open=True)),
+        top_k=int(number(fields, "top_k", 0, 0, MAX_TOP_K, integer=True)), seed=seed,
+        min_p=float(number(fields, "min_p", 0.0, 0.0, 1.0)),
+        presence_penalty=float(number(fields, "presence_penalty", 0.0, -2.0, 2.0)),
+        frequency_penalty=float(number(fields, "frequency_penalty", 0.0, -2.0, 2.0)),
+        repetition_penalty=float(number(fields, "repetition_penalty", 1.0, 0.0, 1e4, low_open=True)),
+        logit_bias=logit_bias(fields, vocab_size), logprobs=logprobs_count(fields))
+
+
+def choice_counts(fields: dict, most: int) -> tuple[int, int]:
+    """(n, best_of): the choices returned and those generated to choose them from (the `most` rows
+    a server has bound both: each choice is a row)."""
+    n = number(fields, "n", 1, 1, most, integer=True)
+    best_of = number(fields, "best_of", n, 1, most, integer=True)
+    if best_of < n:
+        raise FieldError(f"'best_of' ({best_of}) must be at least 'n' ({n})", "best_of")
+    return n, best_of
+
+
+# What a face that answers one text per request (Triton's generate) cannot return: refused there by name.
+TEXT_ONLY_UNSUPPORTED = {
+    "n": lambda v: v not in (None, 1),
+    "best_of": lambda v: v not in (None, 1),
+    "logprobs": lambda v: v not in (None, False, 0),
+    "top_logprobs": lambda v: v not in (None, 0),
+    "echo": lambda v: bool(v),
+}
 
 
 def generation_request(fields: dict, prompt: list[int], *, default_max_tokens: int, max_tokens_limit: int,
-                       vocab_size: int, default_temperature: float = 1.0) -> GenerationRequest:
+                       vocab_size: int, default_temperature: float = 1.0, text_only: bool = False) -> GenerationRequest:
     """A GenerationRequest from a face's fields: OpenAI's names (`max_tokens` or
-    `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop`, `stop_token_ids`,
-    `ignore_eos`), every one checked; unsupported features refused by name."""
+    `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`, the penalties,
+    `logit_bias`, `logprobs`/`top_logprobs`, `echo`, `stop`, `stop_token_ids`, `ignore_eos`), every
+    one checked; unsupported features refused by name (with `text_only`, also what needs more than
+    one text back: choices, log-probabilities)."""
     if not isinstance(fields, dict):
         raise FieldError("the sampling parameters must be a JSON object")
-    refuse_unsupported(fields)
-    max_tokens = number(fields, "max_tokens", default_max_tokens, 1, max_tokens_limit, integer=True)
+    refuse_unsupported(fields, TEXT_ONLY_UNSUPPORTED if text_only else None)
+    echo = flag(fields, "echo")  # the prompt scored (and returned): then no new token is needed
+    least = 0 if echo else 1
+    max_tokens = number(fields, "max_tokens", default_max_tokens, least, max_tokens_limit, integer=True)
     if fields.get("max_completion_tokens") is not None:
-        max_tokens = number(fields, "max_completion_tokens", max_tokens, 1, max_tokens_limit, integer=True)
-    return GenerationRequest(prompt, max_tokens, sampling(fields, default_temperature), stop_strings(fields),
-                             stop_token_ids(fields, vocab_size), flag(fields, "ignore_eos"))
+        max_tokens = number(fields, "max_completion_tokens", max_tokens, least, max_tokens_limit, integer=True)
+    params = sampling(fields, default_temperature, vocab_size)
+    return GenerationRequest(prompt, max_tokens, params, stop_strings(fields), stop_token_ids(fields, vocab_size),
+                             flag(fields, "ignore_eos"), prompt_logprobs=(params.logprobs or 0) if echo else None)

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP face of the engine (FastAPI on uvicorn; `pip install 'linnet[serve]'`).
 
 `POST /v1/completions` and `/v1/chat/completions` (streamed as Server-Sent Events ending with
-`data: [DONE]`), `GET /v1/models`, `/health` and `/metrics` (Prometheus text). Every bad request
-is a 4xx in OpenAI's error shape, never a 500; a client that disconnects cancels its request,
+`data: [DONE]`; logprobs, echo, n, best_of, penalties, logit_bias, min_p, stream_options),
+`/tokenize` and `/detokenize` (vLLM's and llama-server's), `GET /v1/models`, `/health` and
+`/metrics` (Prometheus text). Every bad request is a 4xx in OpenAI's error shape, never a 500; a client that disconnects cancels its request,
 streaming or not. A body is refused past its limit before it is read (Content-Length) or while it is
 read (chunked); tokenization and chat templates run off the event loop, after the queue's limit is
 checked, on text capped in characters.
@@ -11,12 +12,13 @@ checked, on text capped in characters.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import (
     Request,  # at module level: the handlers' annotations are resolved from here
@@ -24,11 +26,13 @@ from fastapi import (
 from starlette.requests import ClientDisconnect
 
 from ..errors import InputError, LinnetError
+from ..runtime.sampling import TokenLogprobs
 from ..tokenizer import Tokenizer
 from . import Mailbox
 from .engine import Delta, Engine, EngineFull, EngineUnavailable, GenerationRequest, Handle
-from .fields import FieldError, generation_request, parse_json
+from .fields import SEED_RANGE, FieldError, choice_counts, generation_request, parse_json
 from .guard import REFUSED
+from .logprobs import TokenNames, chat_content, completion_logprobs, cumulative
 
 MAX_BATCH = 64  # prompts in one completions request
 RETRY_AFTER_S = 5  # what a shutting-down or broken server tells clients to wait before retrying elsewhere
@@ -69,6 +73,28 @@ def is_json(content_type: str | None) -> bool:
 
 def _peer(request: Request) -> str:
     return request.client.host if request.client else "unknown"
+
+
+@dataclass(frozen=True)
+class Choices:
+    """A request's engine requests, `best_of` per prompt in order, and how its answer is made of them."""
+
+    requests: list[GenerationRequest]
+    n: int
+    best_of: int
+    logprobs: bool  # whether the client asked for them (best_of > n computes them anyway, to rank)
+    echoed: list[str] | None = None  # per request, the prompt text `echo` puts before the answer
+
+    def chosen(self, logprobs: list[list[TokenLogprobs]]) -> list[int]:
+        """The requests answered, in the choices' order: per prompt, all of them (n == best_of) or
+        the n of highest cumulative log-probability, likeliest first (as vLLM orders best_of)."""
+        if self.best_of == self.n:
+            return list(range(len(self.requests)))
+        out = []
+        for start in range(0, len(self.requests), self.best_of):
+            group = range(start, start + self.best_of)
+            out += sorted(group, key=lambda i: -cumulative(logprobs[i]))[:self.n]
+        return out
 
 
 class Server:
@@ -132,6 +158,8 @@ class Server:
         return body
 
     def request(self, body: dict, prompt: list[int], chat: bool = False) -> GenerationRequest:
+        if chat and body.get("echo") not in (None, False):
+            raise ApiError(400, "'echo' is a /v1/completions field", "echo")
         # chat's default max_tokens is the rest of the context, as OpenAI's; completions' is 16
         default = self.engine.cache_len - len(prompt) if chat else self.limits.default_max_tokens
         try:
@@ -141,6 +169,46 @@ class Server:
             raise ApiError(400, e.message, e.param) from None
         except InputError as e:
             raise ApiError(400, e.message) from None
+
+    def stream_options(self, body: dict) -> tuple[bool, bool]:
+        """(stream, include_usage): `stream_options` only with `stream`, as OpenAI has it."""
+        stream, options = bool(body.get("stream")), body.get("stream_options")
+        if options is None:
+            return stream, False
+        if not stream:
+            raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
+        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+            raise ApiError(400, "'stream_options' must be an object like {\"include_usage\": true}", "stream_options")
+        return stream, options.get("include_usage", False)
+
+    def plan(self, body: dict, prompts: list[list[int]], chat: bool, stream: bool,
+             texts: list[str | list[int]] | None = None) -> Choices:
+        """The engine requests for `prompts`: `best_of` per prompt (each its own sampler stream: seed,
+        seed + 1, ...), of which the `n` likeliest are answered. `texts`: the prompts as sent, which
+        `echo` returns (ids are decoded)."""
+        try:
+            n, best_of = choice_counts(body, self.engine.rows)
+        except FieldError as e:
+            raise ApiError(400, e.message, e.param) from None
+        if best_of > n and stream:
+            raise ApiError(400, "'best_of' above 'n' cannot be streamed (the choices are picked at the end)", "best_of")
+        requests, asked, echoed = [], None, []
+        for prompt, sent in zip(prompts, texts or [None] * len(prompts), strict=True):
+            base = self.request(body, prompt, chat)
+            asked = base.sampling.logprobs
+            if best_of > n and asked is None:  # ranked by their log-probability, which is then computed
+                base = replace(base, sampling=replace(base.sampling, logprobs=0))
+            if base.prompt_logprobs is not None:
+                echoed += [sent if isinstance(sent, str) else self._decode(prompt)] * best_of
+            for j in range(best_of):
+                seed = base.sampling.seed
+                seed = None if seed is None else (seed + j if seed + j < SEED_RANGE[1] else seed - j)
+                requests.append(base if j == 0 else replace(base, sampling=replace(base.sampling, seed=seed)))
+        return Choices(requests, n, best_of, logprobs=asked is not None, echoed=echoed or None)
+
+    @functools.cached_property
+    def token_names(self) -> TokenNames:
+        return TokenNames(self.tokenizer)
 
     def completion_prompts(self, body: dict) -> list[str | list[int]]:
         """The request's prompts, still text or already ids: a string, a list of ids, or a batch of
@@ -158,6 +226,33 @@ class Server:
             raise ApiError(400, "'prompt' must be a non-empty string, a list of token ids, or a list of either",
                            "prompt")
         return batch
+
+    def tokenize(self, body: dict) -> list[int]:
+        if "messages" in body:
+            return self.render_chat(self.chat_messages(body))
+        text = body.get("prompt", body.get("content"))
+        if not isinstance(text, str):
+            raise ApiError(400, "'prompt' must be a string (or send chat 'messages')", "prompt")
+        self._check_text(len(text), "prompt")
+        add = body.get("add_special_tokens", body.get("add_special", True))
+        if not isinstance(add, bool):
+            raise ApiError(400, "'add_special_tokens' must be true or false", "add_special_tokens")
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer", "prompt")
+        return self.tokenizer.encode(text, add_special_tokens=add)
+
+    def detokenize(self, body: dict) -> str:
+        ids = body.get("tokens")
+        vocab = self.engine.session.vocab_size
+        if (not isinstance(ids, list) or len(ids) > self.limits.max_prompt_chars
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids)):
+            raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer", "tokens")
+        return self.tokenizer.decode(ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         return prompt if isinstance(prompt, list) else self._encode(prompt)
@@ -366,15 +461,18 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
     async def generate(request: Request, chat: bool):
         body = server.parse(await server.read_body(request))
         server.check_capacity()  # a full queue refuses before any tokenizing is spent on the request
+        stream, include_usage = server.stream_options(body)
+        sent = None
         if chat:
             messages = server.chat_messages(body)
             prompts = [await asyncio.to_thread(server.render_chat, messages)]
         else:
-            prompts = [await asyncio.to_thread(server.encode_prompt, p) for p in server.completion_prompts(body)]
-        requests = [server.request(body, p, chat) for p in prompts]
+            sent = server.completion_prompts(body)
+            prompts = [await asyncio.to_thread(server.encode_prompt, p) for p in sent]
+        plan = await asyncio.to_thread(server.plan, body, prompts, chat, stream, sent)
         handles: list[Handle] = []
         try:
-            for r in requests:
+            for r in plan.requests:
                 handles.append(server.submit(r))
         except ApiError:
             for h in handles:
@@ -384,31 +482,45 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
+        names = server.token_names
 
         def cancel_all():
             for h in handles:
                 h.cancel()
 
-        def choice(index: int, text: str, reason: str | None, first: bool = False) -> dict:
-            if not chat:
-                return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
-            delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        def logprobs(items, offset: int = 0):
+            if not plan.logprobs:
+                return None
+            if chat:
+                return {"content": chat_content(names, items)}
+            return completion_logprobs(names, items, offset)
 
-        if body.get("stream"):
+        if stream:
             async def events():
-                started, open_ = set(), len(handles)
+                started, open_, offsets = set(), len(handles), [0] * len(handles)
                 try:
                     while open_:
                         i, d = await deltas.get()
-                        chunk = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created,
-                                 "model": server.model_name,
-                                 "choices": [choice(i, d.text, d.finish_reason, i not in started)]}
+                        text, items = d.text, d.logprobs
+                        if d.prompt_logprobs is not None:  # echo: the prompt and its scores come first
+                            text, items = plan.echoed[i] + text, d.prompt_logprobs + items
+                        lp = logprobs(items, offsets[i])
+                        offsets[i] += len(text)
+                        if chat:
+                            first = i not in started
+                            delta = ({"role": "assistant", "content": text} if first else {"content": text}) \
+                                if text or first else {}
+                            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+                        else:
+                            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}
                         started.add(i)
-                        if d.finish_reason is not None:
-                            open_ -= 1
-                            if not open_:
-                                chunk["usage"] = server.usage(handles)
+                        open_ -= d.finish_reason is not None
+                        chunk = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created,
+                                 "model": server.model_name, "choices": [choice]}
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                    if include_usage:  # OpenAI's closing chunk: no choices, the request's usage
+                        chunk = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created,
+                                 "model": server.model_name, "choices": [], "usage": server.usage(handles)}
                         yield f"data: {json.dumps(chunk)}\n\n"
                     yield "data: [DONE]\n\n"
                 finally:  # the client left (or the stream ended): free the rows
@@ -417,6 +529,8 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         texts: list[list[str]] = [[] for _ in handles]
+        lps: list[list] = [[] for _ in handles]
+        scored: list[list] = [[] for _ in handles]  # echo: the prompt's own
         reasons: list[str | None] = [None] * len(handles)
         gone = asyncio.ensure_future(_until_disconnect(request.receive))
         try:
@@ -429,17 +543,35 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
                     return None
                 i, d = got.result()
                 texts[i].append(d.text)
+                lps[i] += d.logprobs
+                scored[i] += d.prompt_logprobs or []
                 reasons[i] = d.finish_reason
         finally:
             gone.cancel()
             cancel_all()
         choices = []
-        for i, (text, reason) in enumerate(zip(texts, reasons, strict=True)):
-            out = {"index": i, "finish_reason": reason, "logprobs": None}
-            out.update({"message": {"role": "assistant", "content": "".join(text)}} if chat else {"text": "".join(text)})
+        for index, i in enumerate(plan.chosen(lps)):
+            out = {"index": index, "finish_reason": reasons[i], "logprobs": logprobs(scored[i] + lps[i])}
+            text = (plan.echoed[i] if plan.echoed else "") + "".join(texts[i])
+            out.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             choices.append(out)
         return {"id": rid, "object": kind, "created": created, "model": server.model_name, "choices": choices,
                 "usage": server.usage(handles)}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's and llama-server's: `prompt` (or `content`) text, or chat `messages` rendered by the
+        template; the ids, their count and the context length."""
+        body = server.parse(await server.read_body(request))
+        ids = await asyncio.to_thread(server.tokenize, body)
+        return {"tokens": ids, "count": len(ids), "max_model_len": server.engine.cache_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """Token ids back to text: `prompt` as vLLM answers, `content` as llama-server does."""
+        body = server.parse(await server.read_body(request))
+        text = await asyncio.to_thread(server.detokenize, body)
+        return {"prompt": text, "content": text}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

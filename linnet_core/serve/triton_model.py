@@ -67,7 +67,8 @@ class TritonPythonModel:
                 self.engine.check_capacity()  # before the text is tokenized
                 gen = generation_request(fields, self.tokenizer.encode(text), default_max_tokens=int(max_tokens),
                                          max_tokens_limit=self.engine.cache_len,
-                                         vocab_size=self.engine.session.vocab_size, default_temperature=0.0)
+                                         vocab_size=self.engine.session.vocab_size, default_temperature=0.0,
+                                         text_only=True)
                 handle = self.engine.submit(gen)
             except InputError as e:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message)),

@@ -83,7 +83,9 @@ def _client(url: str, workload: Workload, headers: dict | None = None):
 
 
 def _openai_tokens(chunk: dict, seen: int) -> int:
-    choice = (chunk.get("choices") or [{}])[0]
+    if not chunk.get("choices"):  # OpenAI's closing usage chunk (stream_options.include_usage)
+        return max(0, chunk["usage"]["completion_tokens"] - seen) if chunk.get("usage") else 0
+    choice = chunk["choices"][0]
     if choice.get("finish_reason") is None:  # one chunk per token
         return 1
     if chunk.get("usage"):  # the closing chunk: its count settles the total
@@ -132,7 +134,7 @@ def run_http(url: str, workload: Workload, prompts: list[list[int]], model: str 
 
             async def one(prompt: list[int]) -> RequestResult:
                 body = {"model": name, "prompt": prompt, "max_tokens": workload.new_tokens, "stream": True,
-                        "ignore_eos": True, "temperature": 0, "min_tokens": workload.new_tokens, **(extra or {})}
+                        "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0, "min_tokens": workload.new_tokens, **(extra or {})}
                 return await _stream(client, "/v1/completions", body, _openai_tokens)
 
             return await paced(workload, prompts, one)
