@@ -137,6 +137,12 @@ class Tokenizer:
         kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or [] if isinstance(d, dict)}
         return "ByteLevel" in kinds
 
+    def special_ids(self) -> set[int]:
+        """Ids of the special tokens (chat markers, end of text): never part of generated text."""
+        if self._tok is not None:
+            return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        return set(self._fallback.all_special_ids)
+
     def token_bytes(self, token: int) -> bytes:
         """The bytes token `token` stands for in decoded text (a piece of a UTF-8 character, possibly),
         as the OpenAI API's logprobs report them."""

@@ -1,11 +1,12 @@
 """Token choice per request: greedy, or temperature / top-k / top-p / min-p sampling, after logit
-bias and repetition penalties, with the log-probabilities of what was chosen when asked.
+bias, repetition penalties and a grammar's mask, with the log-probabilities of what was chosen when
+asked.
 
-The order is vLLM's: bias, then penalties, then temperature, then min-p, top-k and top-p. Penalties
+The order is vLLM's: bias, then penalties, the grammar's mask, temperature, then min-p, top-k and top-p. Penalties
 follow vLLM's (and OpenAI's) definitions: `presence_penalty` and `frequency_penalty` count the
 tokens generated so far, `repetition_penalty` (transformers' CTRL rule: a positive score divided, a
 negative one multiplied) every token of the prompt and of the output. Log-probabilities are those of
-the distribution after bias, penalties and temperature (temperature 1 for a greedy request), before
+the distribution after bias, penalties, the mask and temperature (temperature 1 for a greedy request), before
 min-p / top-k / top-p cut it: the probabilities the model gave, sharpened as the request asked.
 """
 
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 
 from ..errors import InputError
+from .constraints import Constraint
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
@@ -45,6 +47,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its score)
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely (0..20)
+    grammar: Any = field(default=None, compare=False)  # a compiled grammar (constraints.Grammars.compile)
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -86,19 +89,23 @@ class Sampler:
         self._chosen: list[int] = []
         self._counts: Counter[int] = Counter()
         self.last_logprobs: TokenLogprobs | None = None
+        self.constraint = Constraint(self.params.grammar) if self.params.grammar is not None else None
 
     @property
     def greedy(self) -> bool:
         """Whether the device's argmax is this sampler's whole choice (nothing to shape, nothing to report)."""
-        return self.params.greedy and not self.params.shapes_scores and self.params.logprobs is None
+        p = self.params
+        return p.greedy and not p.shapes_scores and p.logprobs is None and p.grammar is None
 
     def snapshot(self):
         """What `restore` needs so that a step that failed and is rerun chooses the same again."""
         state = None if self._generator is None else (self._generator, self._generator.get_state())
-        return state, len(self._chosen)
+        return state, len(self._chosen), self.constraint.accepted if self.constraint else 0
 
     def restore(self, snapshot) -> None:
-        state, chosen = snapshot
+        state, chosen, accepted = snapshot
+        if self.constraint is not None:
+            self.constraint.rollback(accepted)
         if state is None:
             self._generator = None
         else:
@@ -117,6 +124,8 @@ class Sampler:
         """Choose a token from logits [V] (on whatever device they live on)."""
         p = self.params
         scores = self._shaped(logits.float())
+        if self.constraint is not None:
+            scores = self.constraint.mask(scores)
         if p.greedy:
             token = int(scores.argmax())
             if p.logprobs is not None:
@@ -143,6 +152,8 @@ class Sampler:
         if p.shapes_scores:
             self._chosen.append(token)
             self._counts[token] += 1
+        if self.constraint is not None:
+            self.constraint.accept(token)
         return token
 
     def _seeded(self, device: torch.device) -> torch.Generator:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from typing import Any
 
 from ..errors import InputError
+from ..runtime.constraints import MAX_CHOICES, MAX_SOURCE_CHARS, GrammarError, GrammarSpec
 from ..runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from .engine import GenerationRequest
 
@@ -27,7 +29,6 @@ UNSUPPORTED = {
     "functions": lambda v: bool(v),
     "function_call": lambda v: v not in (None, "none"),
     "suffix": lambda v: bool(v),
-    "response_format": lambda v: v not in (None, {"type": "text"}),
 }
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
 BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
@@ -166,6 +167,73 @@ def sampling(fields: dict, default_temperature: float, vocab_size: int) -> Sampl
         logit_bias=logit_bias(fields, vocab_size), logprobs=logprobs_count(fields))
 
 
+def _source(value: Any, param: str, what: str) -> str:
+    if isinstance(value, (dict, bool)) and what == "JSON schema":
+        value = json.dumps(value)  # true / false are schemas too
+    if not isinstance(value, str) or not value.strip():
+        raise FieldError(f"'{param}' must be {'an object' if what == 'JSON schema' else 'a string'} ({what})", param)
+    if len(value) > MAX_SOURCE_CHARS:
+        raise FieldError(f"'{param}' is {len(value)} characters; the limit is {MAX_SOURCE_CHARS}", param)
+    return value
+
+
+def _grammar_kind(source: str) -> str:
+    """GBNF (`rule ::= ...`, llama.cpp's and xgrammar's EBNF) unless it reads as Lark (`rule: ...`), as vLLM guesses."""
+    return "grammar" if "::=" in source else "lark"
+
+
+def grammar_spec(fields: dict) -> tuple[GrammarSpec, str] | None:
+    """The structured output a request asks for, and the field that asked: OpenAI's `response_format`
+    (json_object, json_schema), vLLM's `guided_json` / `guided_regex` / `guided_choice` /
+    `guided_grammar` and `structured_outputs`, llama-server's `json_schema` and `grammar`. One at most."""
+    found: list[tuple[GrammarSpec, str]] = []
+    fmt = fields.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            found.append((GrammarSpec("json_object"), "response_format"))
+        elif kind == "json_schema":
+            inner = fmt.get("json_schema")
+            schema = inner.get("schema", {}) if isinstance(inner, dict) else None
+            if schema is None:
+                raise FieldError("'response_format' json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                                 "response_format")
+            found.append((GrammarSpec("json_schema", _source(schema, "response_format", "JSON schema")),
+                          "response_format"))
+        elif kind != "text":
+            raise FieldError("'response_format' type must be text, json_object or json_schema", "response_format")
+    outputs = fields.get("structured_outputs")
+    if outputs is not None and not isinstance(outputs, dict):
+        raise FieldError("'structured_outputs' must be an object", "structured_outputs")
+    named = {f"guided_{k}": fields.get(f"guided_{k}") for k in ("json", "regex", "choice", "grammar")}
+    named.update({k: fields.get(k) for k in ("json_schema", "grammar")})
+    for key, value in (outputs or {}).items():
+        named[f"structured_outputs.{key}"] = value
+    for param, value in named.items():
+        if value is None or value is False:
+            continue
+        key = param.rsplit(".", 1)[-1].removeprefix("guided_")
+        if key in ("json", "json_schema"):
+            found.append((GrammarSpec("json_schema", _source(value, param, "JSON schema")), param))
+        elif key == "json_object":
+            found.append((GrammarSpec("json_object"), param))
+        elif key == "regex":
+            found.append((GrammarSpec("regex", _source(value, param, "a regular expression")), param))
+        elif key == "choice":
+            if (not isinstance(value, list) or not 0 < len(value) <= MAX_CHOICES
+                    or not all(isinstance(c, str) and c for c in value)):
+                raise FieldError(f"'{param}' must be a list of 1 to {MAX_CHOICES} non-empty strings", param)
+            found.append((GrammarSpec("choice", json.dumps(value)), param))
+        elif key == "grammar":
+            source = _source(value, param, "a GBNF or Lark grammar")
+            found.append((GrammarSpec(_grammar_kind(source), source), param))
+        else:
+            raise FieldError(f"'{param}' is not a structured output kind (json, regex, choice, grammar, json_object)", param)
+    if len(found) > 1:
+        raise FieldError(f"'{found[1][1]}' asks for a second output format beside '{found[0][1]}'", found[1][1])
+    return found[0] if found else None
+
+
 def choice_counts(fields: dict, most: int) -> tuple[int, int]:
     """(n, best_of): the choices returned and those generated to choose them from (the `most` rows
     a server has bound both: each choice is a row)."""
@@ -187,12 +255,14 @@ TEXT_ONLY_UNSUPPORTED = {
 
 
 def generation_request(fields: dict, prompt: list[int], *, default_max_tokens: int, max_tokens_limit: int,
-                       vocab_size: int, default_temperature: float = 1.0, text_only: bool = False) -> GenerationRequest:
+                       vocab_size: int, default_temperature: float = 1.0, text_only: bool = False,
+                       compile_grammar=None) -> GenerationRequest:
     """A GenerationRequest from a face's fields: OpenAI's names (`max_tokens` or
     `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`, the penalties,
     `logit_bias`, `logprobs`/`top_logprobs`, `echo`, `stop`, `stop_token_ids`, `ignore_eos`), every
     one checked; unsupported features refused by name (with `text_only`, also what needs more than
-    one text back: choices, log-probabilities)."""
+    one text back: choices, log-probabilities). A structured output (`grammar_spec`) is compiled by
+    `compile_grammar` (None: the model has no tokenizer to compile it for)."""
     if not isinstance(fields, dict):
         raise FieldError("the sampling parameters must be a JSON object")
     refuse_unsupported(fields, TEXT_ONLY_UNSUPPORTED if text_only else None)
@@ -202,5 +272,14 @@ def generation_request(fields: dict, prompt: list[int], *, default_max_tokens: i
     if fields.get("max_completion_tokens") is not None:
         max_tokens = number(fields, "max_completion_tokens", max_tokens, least, max_tokens_limit, integer=True)
     params = sampling(fields, default_temperature, vocab_size)
+    asked = grammar_spec(fields)
+    if asked is not None:
+        spec, param = asked
+        if compile_grammar is None:
+            raise FieldError(f"'{param}': structured output needs the model's tokenizer, which this server lacks", param)
+        try:
+            params = replace(params, grammar=compile_grammar(spec))
+        except GrammarError as e:
+            raise FieldError(f"'{param}': {e.message}", param) from None
     return GenerationRequest(prompt, max_tokens, params, stop_strings(fields), stop_token_ids(fields, vocab_size),
                              flag(fields, "ignore_eos"), prompt_logprobs=(params.logprobs or 0) if echo else None)

@@ -26,6 +26,7 @@ from fastapi import (
 from starlette.requests import ClientDisconnect
 
 from ..errors import InputError, LinnetError
+from ..runtime.constraints import GrammarSpec, grammars
 from ..runtime.sampling import TokenLogprobs
 from ..tokenizer import Tokenizer
 from . import Mailbox
@@ -164,7 +165,8 @@ class Server:
         default = self.engine.cache_len - len(prompt) if chat else self.limits.default_max_tokens
         try:
             return generation_request(body, prompt, default_max_tokens=max(1, min(default, self.limits.max_tokens)),
-                                      max_tokens_limit=self.limits.max_tokens, vocab_size=self.engine.session.vocab_size)
+                                      max_tokens_limit=self.limits.max_tokens, vocab_size=self.engine.session.vocab_size,
+                                      compile_grammar=self.compile_grammar if self.tokenizer is not None else None)
         except FieldError as e:
             raise ApiError(400, e.message, e.param) from None
         except InputError as e:
@@ -205,6 +207,11 @@ class Server:
                 seed = None if seed is None else (seed + j if seed + j < SEED_RANGE[1] else seed - j)
                 requests.append(base if j == 0 else replace(base, sampling=replace(base.sampling, seed=seed)))
         return Choices(requests, n, best_of, logprobs=asked is not None, echoed=echoed or None)
+
+    def compile_grammar(self, spec: GrammarSpec):
+        """A request's structured output compiled for this model's vocabulary (the first one builds the
+        vocabulary's tables: about a second at 150k tokens)."""
+        return grammars(self.tokenizer, self.engine.session.vocab_size, self.engine.eos_ids).compile(spec)
 
     @functools.cached_property
     def token_names(self) -> TokenNames:
