@@ -189,7 +189,7 @@ class GGUFFile:
             infos.append((name, ne, ttype, offset))
         data_start = -(-self._pos // alignment) * alignment
         data_size = len(self._map) - data_start
-        if data_size < 0:
+        if data_size < 0 and infos:  # a file of metadata alone (llama.cpp's vocab files) needs no padding
             raise self._fail("the file ends before its tensor data")
         spans = []
         for name, ne, ttype, offset in infos:
