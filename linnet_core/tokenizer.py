@@ -157,8 +157,9 @@ class Tokenizer:
         byte = _BYTE_PIECE.fullmatch(piece)
         return bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode()
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of `messages` rendered by the checkpoint's template, ready for the reply."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of `messages` rendered by the checkpoint's template, ready for the reply; `tools`
+        (OpenAI's function definitions) passed to the template as transformers passes them."""
         if not self.chat_template:
             # no folder in the message: a server sends it to clients
             raise InputError("the model has no chat template", hint="drop --chat to send the prompt as it is")
@@ -167,7 +168,7 @@ class Tokenizer:
         try:
             text = self._chat_renderer().render(
                 messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
+                eos_token=self.eos_token or "", **({"tools": tools} if tools else {}),
             )
         except TemplateError as e:
             raise InputError(f"the checkpoint's chat template failed to render: {e}") from None

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import InputError
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "lark")
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "lark", "tool_calls")
 MAX_SOURCE_CHARS = 1 << 16  # a schema or grammar's text
 MAX_CHOICES = 256
 
@@ -34,7 +34,8 @@ class GrammarError(InputError):
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request constrains its output to: `kind` (KINDS) and its source text (for choice: a
-    JSON list of strings)."""
+    JSON list of strings; for tool_calls: JSON {schema, prefix, suffix, separator, most}, one to
+    `most` calls, each the schema's JSON between prefix and suffix)."""
 
     kind: str
     source: str = ""
@@ -82,11 +83,14 @@ class Grammars:
         # byte below 0x20 are kept out of JSON answers here
         self._control = torch.zeros(vocab_size, dtype=torch.bool)
         self._control[[i for i, b in enumerate(vocab) if any(c < 0x20 for c in b)]] = True
+        self._control_in_line = torch.zeros(vocab_size, dtype=torch.bool)  # a call's markers take line breaks
+        self._control_in_line[[i for i, b in enumerate(vocab) if any(c < 0x20 and c != 0x0A for c in b)]] = True
 
     def compile(self, spec: GrammarSpec) -> Compiled:
         """The compiled grammar; GrammarError naming what is wrong."""
         grammar = self._compile(spec)
-        return Compiled(grammar, self._control if spec.kind in ("json_object", "json_schema") else None)
+        forbidden = {"json_object": self._control, "json_schema": self._control, "tool_calls": self._control_in_line}
+        return Compiled(grammar, forbidden.get(spec.kind))
 
     def _compile(self, spec: GrammarSpec) -> Any:
         xgr = _xgrammar()
@@ -104,10 +108,26 @@ class Grammars:
                     return self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in choices))
                 if spec.kind == "lark":
                     return self.compiler.compile_lark(spec.source)
+                if spec.kind == "tool_calls":
+                    return self.compiler.compile_grammar(_calls_grammar(xgr, json.loads(spec.source)))
                 return self.compiler.compile_grammar(spec.source)
         except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise GrammarError(f"the {spec.kind.replace('_', ' ')} cannot be compiled: {first[:300]}") from None
+
+
+def _calls_grammar(xgr, calls: dict):
+    """One to calls["most"] calls in a row, each calls["schema"]'s compact JSON between the prefix and
+    the suffix, separated by the separator."""
+    def literal(text: str):
+        return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}") if text else None
+
+    call = xgr.Grammar.from_json_schema(json.dumps(calls["schema"]), any_whitespace=False, strict_mode=True)
+    one = xgr.Grammar.concat(*[g for g in (literal(calls["prefix"]), call, literal(calls["suffix"])) if g is not None])
+    options, sep = [one], literal(calls["separator"])
+    for _ in range(1, calls["most"]):
+        options.append(xgr.Grammar.concat(*[g for g in (options[-1], sep, one) if g is not None]))
+    return options[0] if len(options) == 1 else xgr.Grammar.union(*options)
 
 
 _built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

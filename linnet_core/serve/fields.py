@@ -24,8 +24,6 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed tak
 # OpenAI fields that would change the result, which Linnet does not implement: refused by name, never
 # ignored. Each maps to whether a given value asks for the feature (the neutral values pass).
 UNSUPPORTED = {
-    "tools": lambda v: bool(v),
-    "tool_choice": lambda v: v not in (None, "none"),
     "functions": lambda v: bool(v),
     "function_call": lambda v: v not in (None, "none"),
     "suffix": lambda v: bool(v),
@@ -256,13 +254,14 @@ TEXT_ONLY_UNSUPPORTED = {
 
 def generation_request(fields: dict, prompt: list[int], *, default_max_tokens: int, max_tokens_limit: int,
                        vocab_size: int, default_temperature: float = 1.0, text_only: bool = False,
-                       compile_grammar=None) -> GenerationRequest:
+                       compile_grammar=None, tool_grammar: GrammarSpec | None = None) -> GenerationRequest:
     """A GenerationRequest from a face's fields: OpenAI's names (`max_tokens` or
     `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`, the penalties,
     `logit_bias`, `logprobs`/`top_logprobs`, `echo`, `stop`, `stop_token_ids`, `ignore_eos`), every
     one checked; unsupported features refused by name (with `text_only`, also what needs more than
     one text back: choices, log-probabilities). A structured output (`grammar_spec`) is compiled by
-    `compile_grammar` (None: the model has no tokenizer to compile it for)."""
+    `compile_grammar` (None: the model has no tokenizer to compile it for), as is `tool_grammar`, the
+    calls a `required` or named `tool_choice` holds the answer to."""
     if not isinstance(fields, dict):
         raise FieldError("the sampling parameters must be a JSON object")
     refuse_unsupported(fields, TEXT_ONLY_UNSUPPORTED if text_only else None)
@@ -273,6 +272,10 @@ def generation_request(fields: dict, prompt: list[int], *, default_max_tokens: i
         max_tokens = number(fields, "max_completion_tokens", max_tokens, least, max_tokens_limit, integer=True)
     params = sampling(fields, default_temperature, vocab_size)
     asked = grammar_spec(fields)
+    if tool_grammar is not None:
+        if asked is not None:
+            raise FieldError(f"'{asked[1]}' cannot hold an answer that 'tool_choice' holds to a tool call", asked[1])
+        asked = (tool_grammar, "tool_choice")
     if asked is not None:
         spec, param = asked
         if compile_grammar is None:

@@ -34,6 +34,7 @@ from .engine import Delta, Engine, EngineFull, EngineUnavailable, GenerationRequ
 from .fields import SEED_RANGE, FieldError, choice_counts, generation_request, parse_json
 from .guard import REFUSED
 from .logprobs import TokenNames, chat_content, completion_logprobs, cumulative
+from .tools import CallStream, ToolFormat, ToolRequest, format_for, tool_request
 
 MAX_BATCH = 64  # prompts in one completions request
 RETRY_AFTER_S = 5  # what a shutting-down or broken server tells clients to wait before retrying elsewhere
@@ -158,15 +159,19 @@ class Server:
             raise ApiError(400, "'stream' must be true or false", "stream")
         return body
 
-    def request(self, body: dict, prompt: list[int], chat: bool = False) -> GenerationRequest:
+    def request(self, body: dict, prompt: list[int], chat: bool = False,
+                tool_grammar: GrammarSpec | None = None) -> GenerationRequest:
         if chat and body.get("echo") not in (None, False):
             raise ApiError(400, "'echo' is a /v1/completions field", "echo")
+        if not chat and body.get("tools"):
+            raise ApiError(400, "'tools' is a /v1/chat/completions field", "tools")
         # chat's default max_tokens is the rest of the context, as OpenAI's; completions' is 16
         default = self.engine.cache_len - len(prompt) if chat else self.limits.default_max_tokens
         try:
             return generation_request(body, prompt, default_max_tokens=max(1, min(default, self.limits.max_tokens)),
                                       max_tokens_limit=self.limits.max_tokens, vocab_size=self.engine.session.vocab_size,
-                                      compile_grammar=self.compile_grammar if self.tokenizer is not None else None)
+                                      compile_grammar=self.compile_grammar if self.tokenizer is not None else None,
+                                      tool_grammar=tool_grammar)
         except FieldError as e:
             raise ApiError(400, e.message, e.param) from None
         except InputError as e:
@@ -184,7 +189,7 @@ class Server:
         return stream, options.get("include_usage", False)
 
     def plan(self, body: dict, prompts: list[list[int]], chat: bool, stream: bool,
-             texts: list[str | list[int]] | None = None) -> Choices:
+             texts: list[str | list[int]] | None = None, tool_grammar: GrammarSpec | None = None) -> Choices:
         """The engine requests for `prompts`: `best_of` per prompt (each its own sampler stream: seed,
         seed + 1, ...), of which the `n` likeliest are answered. `texts`: the prompts as sent, which
         `echo` returns (ids are decoded)."""
@@ -196,7 +201,7 @@ class Server:
             raise ApiError(400, "'best_of' above 'n' cannot be streamed (the choices are picked at the end)", "best_of")
         requests, asked, echoed = [], None, []
         for prompt, sent in zip(prompts, texts or [None] * len(prompts), strict=True):
-            base = self.request(body, prompt, chat)
+            base = self.request(body, prompt, chat, tool_grammar)
             asked = base.sampling.logprobs
             if best_of > n and asked is None:  # ranked by their log-probability, which is then computed
                 base = replace(base, sampling=replace(base.sampling, logprobs=0))
@@ -270,6 +275,8 @@ class Server:
                            param)
 
     def chat_messages(self, body: dict) -> list[dict]:
+        """The conversation as the template reads it: text content, an assistant's `tool_calls` (their
+        arguments as objects, as templates write them) and a tool's answer with its `tool_call_id`."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "'messages' must be a non-empty list", "messages")
@@ -282,19 +289,55 @@ class Server:
                 if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                     raise ApiError(400, f"messages[{i}]: only text content is supported", "messages")
                 content = "".join(str(p.get("text", "")) for p in content)
+            calls = m.get("tool_calls")
+            if content is None and (calls or m["role"] == "assistant"):
+                content = ""  # an assistant turn that only called tools
             if not isinstance(content, str):
                 raise ApiError(400, f"messages[{i}].content must be a string", "messages")
-            clean.append({"role": m["role"], "content": content})
+            out = {"role": m["role"], "content": content}
+            if calls:
+                out["tool_calls"] = [self._past_call(i, c) for c in (calls if isinstance(calls, list) else [None])]
+            for key in ("tool_call_id", "name"):
+                if isinstance(m.get(key), str):
+                    out[key] = m[key]
+            clean.append(out)
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer, so it takes token ids on /v1/completions only")
-        self._check_text(sum(len(m["content"]) for m in clean), "messages")
+        self._check_text(sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))) for m in clean), "messages")
         return clean
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
+    @staticmethod
+    def _past_call(i: int, call) -> dict:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(400, f"messages[{i}].tool_calls must hold {{\"function\": {{\"name\", \"arguments\"}}}}",
+                           "messages")
+        args = fn.get("arguments", "{}")
         try:
-            return self.tokenizer.apply_chat_template(messages)
+            args = json.loads(args) if isinstance(args, str) else args
+        except json.JSONDecodeError:
+            pass  # the template writes it as the client sent it
+        return {"id": str(call.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools)
         except LinnetError as e:
             raise ApiError(400, e.message, "messages") from None
+
+    def tool_plan(self, body: dict) -> tuple[ToolRequest | None, ToolFormat | None]:
+        """The request's tools and the format the model's template writes calls in."""
+        try:
+            tools = tool_request(body)
+        except FieldError as e:
+            raise ApiError(400, e.message, e.param) from None
+        if tools is None:
+            return None, None
+        fmt = format_for(self.tokenizer.chat_template if self.tokenizer else None)
+        if fmt is None:
+            raise ApiError(400, "this model's chat template writes no tool calls Linnet reads (it reads Qwen's and "
+                                "Hermes' <tool_call> and Llama 3.1's JSON calls)", "tools")
+        return tools, fmt
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -469,14 +512,16 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
         body = server.parse(await server.read_body(request))
         server.check_capacity()  # a full queue refuses before any tokenizing is spent on the request
         stream, include_usage = server.stream_options(body)
-        sent = None
+        sent, tools, fmt = None, None, None
         if chat:
             messages = server.chat_messages(body)
-            prompts = [await asyncio.to_thread(server.render_chat, messages)]
+            tools, fmt = server.tool_plan(body)
+            prompts = [await asyncio.to_thread(server.render_chat, messages, tools.tools if tools else None)]
         else:
             sent = server.completion_prompts(body)
             prompts = [await asyncio.to_thread(server.encode_prompt, p) for p in sent]
-        plan = await asyncio.to_thread(server.plan, body, prompts, chat, stream, sent)
+        plan = await asyncio.to_thread(server.plan, body, prompts, chat, stream, sent,
+                                       tools.grammar(fmt) if tools else None)
         handles: list[Handle] = []
         try:
             for r in plan.requests:
@@ -502,6 +547,24 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
                 return {"content": chat_content(names, items)}
             return completion_logprobs(names, items, offset)
 
+        def chat_choices(i: int, text: str, lp, reason: str | None, first: bool) -> list[dict]:
+            """One delta's chat chunks: its content (what is surely not a call), and at the end any
+            calls as `delta.tool_calls` (each whole in one chunk) before the finish."""
+            calls = []
+            if calls_in is not None:
+                text = calls_in[i].push(text)
+                if reason is not None:
+                    rest, calls = calls_in[i].finish()
+                    text += rest
+            delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
+            if not calls:
+                return [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]
+            listed = [{"index": k, **c.openai()} for k, c in enumerate(calls)]
+            return [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": None},
+                    {"index": i, "delta": {"tool_calls": listed}, "logprobs": None, "finish_reason": None},
+                    {"index": i, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}]
+
+        calls_in = [CallStream(fmt, tools.names) for _ in handles] if tools else None
         if stream:
             async def events():
                 started, open_, offsets = set(), len(handles), [0] * len(handles)
@@ -514,17 +577,15 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
                         lp = logprobs(items, offsets[i])
                         offsets[i] += len(text)
                         if chat:
-                            first = i not in started
-                            delta = ({"role": "assistant", "content": text} if first else {"content": text}) \
-                                if text or first else {}
-                            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+                            choices = chat_choices(i, text, lp, d.finish_reason, i not in started)
                         else:
-                            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}
+                            choices = [{"index": i, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}]
                         started.add(i)
                         open_ -= d.finish_reason is not None
-                        chunk = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created,
-                                 "model": server.model_name, "choices": [choice]}
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                        for choice in choices:
+                            chunk = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created,
+                                     "model": server.model_name, "choices": [choice]}
+                            yield f"data: {json.dumps(chunk)}\n\n"
                     if include_usage:  # OpenAI's closing chunk: no choices, the request's usage
                         chunk = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created,
                                  "model": server.model_name, "choices": [], "usage": server.usage(handles)}
@@ -560,7 +621,14 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
         for index, i in enumerate(plan.chosen(lps)):
             out = {"index": index, "finish_reason": reasons[i], "logprobs": logprobs(scored[i] + lps[i])}
             text = (plan.echoed[i] if plan.echoed else "") + "".join(texts[i])
-            out.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            if not chat:
+                out["text"] = text
+            elif tools and (found := fmt.parse(text, tools.names))[1]:
+                out["message"] = {"role": "assistant", "content": found[0] or None,
+                                  "tool_calls": [c.openai() for c in found[1]]}
+                out["finish_reason"] = "tool_calls"
+            else:
+                out["message"] = {"role": "assistant", "content": text}
             choices.append(out)
         return {"id": rid, "object": kind, "created": created, "model": server.model_name, "choices": choices,
                 "usage": server.usage(handles)}
