@@ -26,12 +26,12 @@ from fastapi import (
 from starlette.requests import ClientDisconnect
 
 from ..errors import InputError, LinnetError
-from ..runtime.constraints import GrammarSpec, grammars
+from ..runtime.constraints import GrammarSpec
 from ..runtime.sampling import TokenLogprobs
 from ..tokenizer import Tokenizer
 from . import Mailbox
 from .engine import Delta, Engine, EngineFull, EngineUnavailable, GenerationRequest, Handle
-from .fields import SEED_RANGE, FieldError, choice_counts, generation_request, parse_json
+from .fields import SEED_RANGE, FieldError, choice_counts, generation_request, grammar_compiler, parse_json
 from .guard import REFUSED
 from .logprobs import TokenNames, chat_content, completion_logprobs, cumulative
 from .tools import CallStream, ToolFormat, ToolRequest, format_for, tool_request
@@ -105,6 +105,7 @@ class Server:
     def __init__(self, engine: Engine, tokenizer: Tokenizer | None, model_name: str, limits: Limits = Limits()):
         self.engine, self.tokenizer, self.model_name, self.limits = engine, tokenizer, model_name, limits
         self.started = int(time.time())
+        self.compile_grammar = grammar_compiler(tokenizer, engine)
         self._mailbox: Mailbox | None = None
 
     def mailbox(self) -> Mailbox:
@@ -170,8 +171,7 @@ class Server:
         try:
             return generation_request(body, prompt, default_max_tokens=max(1, min(default, self.limits.max_tokens)),
                                       max_tokens_limit=self.limits.max_tokens, vocab_size=self.engine.session.vocab_size,
-                                      compile_grammar=self.compile_grammar if self.tokenizer is not None else None,
-                                      tool_grammar=tool_grammar)
+                                      compile_grammar=self.compile_grammar, tool_grammar=tool_grammar)
         except FieldError as e:
             raise ApiError(400, e.message, e.param) from None
         except InputError as e:
@@ -212,11 +212,6 @@ class Server:
                 seed = None if seed is None else (seed + j if seed + j < SEED_RANGE[1] else seed - j)
                 requests.append(base if j == 0 else replace(base, sampling=replace(base.sampling, seed=seed)))
         return Choices(requests, n, best_of, logprobs=asked is not None, echoed=echoed or None)
-
-    def compile_grammar(self, spec: GrammarSpec):
-        """A request's structured output compiled for this model's vocabulary (the first one builds the
-        vocabulary's tables: about a second at 150k tokens)."""
-        return grammars(self.tokenizer, self.engine.session.vocab_size, self.engine.eos_ids).compile(spec)
 
     @functools.cached_property
     def token_names(self) -> TokenNames:

@@ -98,7 +98,8 @@ def prepare_local_triton(home: Path) -> tuple[Path, Path]:
     packages = env / "lib" / f"python{py}" / "site-packages"
     if not (env / "bin" / "python").exists():
         run(sys.executable, "-m", "venv", "--without-pip", str(env))
-        run(sys.executable, "-m", "pip", "install", "--quiet", "--target", str(packages), "numpy<2")
+    if not (packages / "ml_dtypes").exists():  # xgrammar's ml_dtypes, of a release built for numpy 1
+        run(sys.executable, "-m", "pip", "install", "--quiet", "--target", str(packages), "numpy<2", "ml_dtypes<0.5")
     base = sysconfig.get_paths()["purelib"]
     (packages / "zz_linnet_base.pth").write_text(f"import site; site.addsitedir({base!r})\n")
     return server, env

@@ -29,7 +29,7 @@ _DONE = object()
 
 class TritonPythonModel:
     def initialize(self, args):
-        from linnet_core.serve.fields import prompt_char_limit  # imports torch: not at start-up
+        from linnet_core.serve.fields import grammar_compiler, prompt_char_limit  # imports torch: not at start-up
         from linnet_core.serve.launch import launch  # imports torch: not at start-up
 
         model_config = json.loads(args["model_config"])
@@ -40,6 +40,16 @@ class TritonPythonModel:
         served = launch(config)
         self.tokenizer = served.tokenizer
         self.engine = served.engine.start()
+        self.compile_grammar = grammar_compiler(self.tokenizer, self.engine)
+        try:  # here, on the stub's main thread: ml_dtypes (under xgrammar) fails to import on execute's
+            import xgrammar  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - any import failure: structured output says why, the rest serves
+            why = f"structured output is unavailable here: xgrammar did not import ({type(e).__name__}: {e})"
+
+            def unavailable(spec, why=why):
+                raise InputError(why)
+
+            self.compile_grammar = unavailable
         self.max_prompt_chars = prompt_char_limit(served.session.cache_len)
         self.responses: queue.Queue = queue.Queue()
         self.live: dict[int, tuple] = {}  # handle id -> (handle, sender, stream, collected text)
@@ -68,7 +78,7 @@ class TritonPythonModel:
                 gen = generation_request(fields, self.tokenizer.encode(text), default_max_tokens=int(max_tokens),
                                          max_tokens_limit=self.engine.cache_len,
                                          vocab_size=self.engine.session.vocab_size, default_temperature=0.0,
-                                         text_only=True)
+                                         text_only=True, compile_grammar=self.compile_grammar)
                 handle = self.engine.submit(gen)
             except InputError as e:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message)),
