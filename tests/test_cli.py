@@ -83,6 +83,34 @@ def test_run_json_chat_and_sampling():
     assert again["tokens"] == data["tokens"]
 
 
+def test_run_holds_the_output_to_a_schema_a_regex_or_a_grammar(tmp_path):
+    import re
+
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                         "maximum": 99}, "ok": {"type": "boolean"}},
+                                  "required": ["n", "ok"], "additionalProperties": False}))
+    r = invoke("run", "-p", "Answer:", "-n", "40", "--json-schema", schema, "--logprobs", "2", "--json")
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    answer = json.loads(data["text"])
+    assert set(answer) == {"n", "ok"} and 0 <= answer["n"] <= 99 and data["finish_reason"] == "stop"
+    assert len(data["logprobs"]) == data["new_tokens"] and all(lp["logprob"] <= 0 for lp in data["logprobs"])
+    assert all(lp["top"][0]["token"] == lp["token"] for lp in data["logprobs"])  # greedy: the likeliest
+    r = invoke("run", "-p", "Code:", "-n", "10", "--regex", "[A-Z]{2}-[0-9]{3}", "--json")
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", json.loads(r.stdout)["text"]), r.stdout
+    gbnf = tmp_path / "g.gbnf"
+    gbnf.write_text('root ::= ("yes" | "no") "." ')
+    r = invoke("run", "-p", "Well?", "-n", "10", "--grammar", gbnf, "--json")
+    assert json.loads(r.stdout)["text"] in ("yes.", "no."), r.stdout
+    r = invoke("run", "-p", "x", "--regex", "[a-")
+    assert_one_line_error(r, 1, "regex cannot be compiled")
+    r = invoke("run", "-p", "x", "--json-schema", tmp_path / "missing.json")
+    assert_one_line_error(r, 1, "cannot be read")
+    r = invoke("run", "-p", "x", "--regex", "a", "--grammar", gbnf)
+    assert_one_line_error(r, 1, "give one")
+
+
 def test_prompt_longer_than_cache_is_a_clear_error():
     r = invoke("run", "-p", "word " * 200, "--cache-len", "64")
     assert_one_line_error(r, 1, "cache holds 64 positions")

@@ -12,6 +12,7 @@ only the model's end-of-sequence tokens.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from dataclasses import dataclass
@@ -45,6 +46,11 @@ class GrammarSpec:
             raise GrammarError(f"unknown grammar kind '{self.kind}'; the kinds are {', '.join(KINDS)}")
         if len(self.source) > MAX_SOURCE_CHARS:
             raise GrammarError(f"the {self.kind} is {len(self.source)} characters; the limit is {MAX_SOURCE_CHARS}")
+
+
+def grammar_kind(source: str) -> str:
+    """GBNF (`rule ::= ...`, llama.cpp's and xgrammar's EBNF) unless it reads as Lark (`rule: ...`), as vLLM guesses."""
+    return "grammar" if "::=" in source else "lark"
 
 
 def _xgrammar():
@@ -113,6 +119,7 @@ class Grammars:
                 return self.compiler.compile_grammar(spec.source)
         except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            first = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", first)  # xgrammar's log prefix: time, source line
             raise GrammarError(f"the {spec.kind.replace('_', ' ')} cannot be compiled: {first[:300]}") from None
 
 

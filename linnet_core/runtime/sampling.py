@@ -189,9 +189,9 @@ def _logprobs(scores: torch.Tensor, token: int, k: int) -> TokenLogprobs:
 
 
 def logprobs_at(logp: torch.Tensor, token: int, k: int) -> TokenLogprobs:
-    """`token`'s entry in log-probabilities [V], with the k likeliest."""
+    """`token`'s entry in log-probabilities [V], with the k likeliest (those a mask left possible)."""
     top = ()
     if k:
         values, ids = torch.topk(logp, min(k, logp.numel()))
-        top = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist()))
+        top = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist()) if v != float("-inf"))
     return TokenLogprobs(token, float(logp[token]), top)

@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import InputError
-from ..runtime.constraints import MAX_CHOICES, MAX_SOURCE_CHARS, GrammarError, GrammarSpec, grammars
+from ..runtime.constraints import MAX_CHOICES, MAX_SOURCE_CHARS, GrammarError, GrammarSpec, grammar_kind, grammars
 from ..runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from .engine import GenerationRequest
 
@@ -175,11 +175,6 @@ def _source(value: Any, param: str, what: str) -> str:
     return value
 
 
-def _grammar_kind(source: str) -> str:
-    """GBNF (`rule ::= ...`, llama.cpp's and xgrammar's EBNF) unless it reads as Lark (`rule: ...`), as vLLM guesses."""
-    return "grammar" if "::=" in source else "lark"
-
-
 def grammar_spec(fields: dict) -> tuple[GrammarSpec, str] | None:
     """The structured output a request asks for, and the field that asked: OpenAI's `response_format`
     (json_object, json_schema), vLLM's `guided_json` / `guided_regex` / `guided_choice` /
@@ -224,7 +219,7 @@ def grammar_spec(fields: dict) -> tuple[GrammarSpec, str] | None:
             found.append((GrammarSpec("choice", json.dumps(value)), param))
         elif key == "grammar":
             source = _source(value, param, "a GBNF or Lark grammar")
-            found.append((GrammarSpec(_grammar_kind(source), source), param))
+            found.append((GrammarSpec(grammar_kind(source), source), param))
         else:
             raise FieldError(f"'{param}' is not a structured output kind (json, regex, choice, grammar, json_object)", param)
     if len(found) > 1:
