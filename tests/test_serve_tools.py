@@ -202,3 +202,21 @@ def test_the_format_is_read_off_the_template():
     assert format_for((TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()).name == "hermes"
     assert format_for((TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()).name == "llama3-json"
     assert format_for("{{ messages[0].content }}") is None
+
+
+def test_langchain_binds_tools_and_structures_output(served):
+    """LangChain's ChatOpenAI pointed at the server, unchanged: `bind_tools(...).invoke` returns parsed
+    tool calls, `with_structured_output(Model).invoke` a validated model."""
+    pytest.importorskip("langchain_openai")
+    from langchain_openai import ChatOpenAI
+
+    url, _ = served
+    llm = ChatOpenAI(base_url=f"{url}/v1", api_key="none", model="tiny", temperature=0, max_tokens=120,
+                     max_retries=0)
+    message = llm.bind_tools([Weather], tool_choice="Weather").invoke("Weather in Paris?")
+    assert message.tool_calls and message.tool_calls[0]["name"] == "Weather"
+    Weather.model_validate(message.tool_calls[0]["args"])
+    structured = llm.with_structured_output(Search, method="json_schema").invoke("Find something.")
+    assert isinstance(structured, Search)
+    via_tools = llm.with_structured_output(Search, method="function_calling").invoke("Find something.")
+    assert isinstance(via_tools, Search)

@@ -2,7 +2,7 @@
 
 `POST /v1/completions` and `/v1/chat/completions` (streamed as Server-Sent Events ending with
 `data: [DONE]`; logprobs, echo, n, best_of, penalties, logit_bias, min_p, stream_options),
-`/tokenize` and `/detokenize` (vLLM's and llama-server's), `GET /v1/models`, `/health` and
+`/tokenize`, `/detokenize` and `/tokenizer_info` (vLLM's and llama-server's), `GET /v1/models`, `/health` and
 `/metrics` (Prometheus text). Every bad request is a 4xx in OpenAI's error shape, never a 500; a client that disconnects cancels its request,
 streaming or not. A body is refused past its limit before it is read (Content-Length) or while it is
 read (chunked); tokenization and chat templates run off the event loop, after the queue's limit is
@@ -635,6 +635,17 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
         body = server.parse(await server.read_body(request))
         ids = await asyncio.to_thread(server.tokenize, body)
         return {"tokens": ids, "count": len(ids), "max_model_len": server.engine.cache_len}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's: the special tokens and the chat template, with which clients (lm-eval's remote
+        tokenizer) tokenize through /tokenize instead of loading the model's tokenizer themselves."""
+        tok = server.tokenizer
+        if tok is None:
+            raise ApiError(404, "this model has no tokenizer", code="not_found", kind="not_found_error")
+        return {"eos_token": tok.eos_token, "bos_token": tok.bos_token, "pad_token": None,
+                "chat_template": tok.chat_template, "model_max_length": server.engine.cache_len,
+                "vocab_size": tok.vocab_size}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
