@@ -123,10 +123,10 @@ class Tokenizer:
             return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return self._fallback.encode(text, add_special_tokens=add_special_tokens)
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._tok:
-            return self._tok.decode(ids, skip_special_tokens=True)
-        return self._fallback.decode(ids, skip_special_tokens=True)
+            return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._fallback.decode(ids, skip_special_tokens=skip_special_tokens)
 
     @functools.cached_property
     def _byte_level(self) -> bool:
@@ -200,16 +200,16 @@ class IncrementalDecoder:
     sequence), as TGI and vLLM do.
     """
 
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        text = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip)
         if len(text) > len(prefix) and not text.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return text[len(prefix):]
@@ -217,7 +217,7 @@ class IncrementalDecoder:
 
     def flush(self) -> str:
         """What is left when generation ends (a trailing partial character included)."""
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        text = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip)
         self.prefix_offset = self.read_offset = len(self.ids)
         return text[len(prefix):]

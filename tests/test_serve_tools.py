@@ -24,7 +24,7 @@ from linnet_core.tokenizer import Tokenizer  # noqa: E402
 from server_fixtures import app_in_thread  # noqa: E402
 
 TEMPLATES = Path(__file__).parent / "templates"
-CACHE = 2048
+CACHE = 2560
 
 
 class Weather(pydantic.BaseModel):
@@ -48,20 +48,34 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 SCHEMAS = {"get_weather": Weather, "search": Search}
 
 
-def with_template(src: Path, dst: Path, template: str) -> Path:
+def with_template(src: Path, dst: Path, template: str, special: tuple[str, ...] = ()) -> Path:
+    """The fixture with a released model's chat template, and its control tokens added as special ones."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "tokenizer_config.json").read_text())
     cfg["chat_template"] = (TEMPLATES / template).read_text()
     (dst / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if special:
+        tok = HFTokenizer.from_file(str(dst / "tokenizer.json"))
+        tok.add_special_tokens([AddedToken(t, special=True) for t in special])
+        tok.save(str(dst / "tokenizer.json"))
     return dst
 
 
-@pytest.fixture(scope="module", params=[("qwen2-bias-tied", "Qwen-Qwen2.5-7B-Instruct.jinja"),
-                                        ("llama-llama3-rope", "meta-llama-Llama-3.1-8B-Instruct.jinja")],
-                ids=["qwen2.5-template", "llama3.1-template"])
+MISTRAL_CONTROL = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                   "[/TOOL_RESULTS]")
+
+
+@pytest.fixture(scope="module", params=[("qwen2-bias-tied", "Qwen-Qwen2.5-7B-Instruct.jinja", ()),
+                                        ("llama-llama3-rope", "meta-llama-Llama-3.1-8B-Instruct.jinja", ()),
+                                        ("qwen2-bias-tied", "mistralai-Mistral-Nemo-Instruct-2407.jinja",
+                                         MISTRAL_CONTROL)],
+                ids=["qwen2.5-template", "llama3.1-template", "mistral-nemo-template"])
 def served(request, tokenized_checkpoints, tmp_path_factory):
-    case, template = request.param
-    path = with_template(tokenized_checkpoints[case], tmp_path_factory.mktemp("tools") / case, template)
+    case, template, special = request.param
+    path = with_template(tokenized_checkpoints[case], tmp_path_factory.mktemp("tools") / case, template, special)
     session, _ = load_model(path, "torch", "float32", CACHE, rows=2)
     tok = Tokenizer(path)
     app = create_app(Server(Engine(session, tok, prefill_chunk=256), tok, "tiny", Limits(max_tokens=CACHE)))
@@ -70,7 +84,7 @@ def served(request, tokenized_checkpoints, tmp_path_factory):
 
 
 def chat(url, **body):
-    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 120, "temperature": 0,
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 700, "temperature": 0,
             "tools": TOOLS, **body}
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
     return r.status_code, r.json()
@@ -80,7 +94,8 @@ def check_calls(message: dict, names: set[str], most: int) -> list[dict]:
     calls = message["tool_calls"]
     assert 1 <= len(calls) <= most
     for c in calls:
-        assert c["type"] == "function" and c["id"].startswith("call_") and c["function"]["name"] in names
+        assert c["type"] == "function" and c["function"]["name"] in names
+        assert c["id"].startswith("call_") or len(c["id"]) == 9  # Mistral's templates take 9 letters and digits
         SCHEMAS[c["function"]["name"]].model_validate_json(c["function"]["arguments"])
     return calls
 
@@ -106,7 +121,7 @@ def test_a_named_function_is_the_call(served):
 
 def test_streamed_calls_reassemble_into_the_whole_answer(served):
     url, tok = served
-    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 120, "temperature": 0,
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 700, "temperature": 0,
             "tools": TOOLS, "tool_choice": "required", "stream": True}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
@@ -124,11 +139,11 @@ def test_streamed_calls_reassemble_into_the_whole_answer(served):
 
 def test_tool_answers_go_back_through_the_template(served):
     url, tok = served
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+    call = {"id": "abc123XYZ", "type": "function", "function": {"name": "get_weather",
                                                              "arguments": '{"city": "Paris", "unit": "celsius", "days": 1}'}}
     messages = [{"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+                {"role": "tool", "tool_call_id": "abc123XYZ", "content": "18 degrees and sunny"}]
     status, body = chat(url, messages=messages, max_tokens=4, tool_choice="auto")
     assert status == 200, body
     rendered = tok.decode(tok.apply_chat_template(
@@ -163,12 +178,12 @@ def test_the_openai_sdk_gets_tool_calls(served):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                       max_tokens=120, temperature=0)
+                                       max_tokens=700, temperature=0)
     call = r.choices[0].message.tool_calls[0]
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     Weather.model_validate_json(call.function.arguments)
     with client.chat.completions.stream(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
-                                        tool_choice="required", max_tokens=120, temperature=0) as stream:
+                                        tool_choice="required", max_tokens=700, temperature=0) as stream:
         final = stream.get_final_completion()
     assert final.choices[0].message.tool_calls and final.choices[0].finish_reason == "tool_calls"
 
@@ -198,9 +213,20 @@ def test_llama3_json_calls():
     assert fmt.parse('{"name": "other", "parameters": {}}', names)[1] == []
 
 
+def test_mistral_calls_follow_their_marker():
+    fmt, names = FORMATS["mistral"], {"f", "g"}
+    content, calls = fmt.parse('Sure.[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]',
+                               names)
+    assert content == "Sure." and [c.name for c in calls] == ["f", "g"]
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
+    assert fmt.parse('[TOOL_CALLS][{"name": "zz", "arguments": {}}]', names)[1] == []
+    assert fmt.parse("no calls here", names) == ("no calls here", [])
+
+
 def test_the_format_is_read_off_the_template():
     assert format_for((TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()).name == "hermes"
     assert format_for((TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()).name == "llama3-json"
+    assert format_for((TEMPLATES / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()).name == "mistral"
     assert format_for("{{ messages[0].content }}") is None
 
 

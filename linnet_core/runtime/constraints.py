@@ -35,8 +35,9 @@ class GrammarError(InputError):
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request constrains its output to: `kind` (KINDS) and its source text (for choice: a
-    JSON list of strings; for tool_calls: JSON {schema, prefix, suffix, separator, most}, one to
-    `most` calls, each the schema's JSON between prefix and suffix)."""
+    JSON list of strings; for tool_calls: JSON {schema, prefix, suffix, separator, most, open, close,
+    lead}, one to `most` calls, each the schema's JSON between prefix and suffix, all between open
+    and close, after the `lead` token ids)."""
 
     kind: str
     source: str = ""
@@ -68,6 +69,7 @@ class Compiled:
 
     grammar: Any
     forbidden: torch.Tensor | None = None  # bool [V]
+    lead: tuple[int, ...] = ()  # tokens forced before the grammar starts (a marker that is a special token)
 
 
 class Grammars:
@@ -96,7 +98,8 @@ class Grammars:
         """The compiled grammar; GrammarError naming what is wrong."""
         grammar = self._compile(spec)
         forbidden = {"json_object": self._control, "json_schema": self._control, "tool_calls": self._control_in_line}
-        return Compiled(grammar, forbidden.get(spec.kind))
+        lead = tuple(json.loads(spec.source).get("lead", ())) if spec.kind == "tool_calls" else ()
+        return Compiled(grammar, forbidden.get(spec.kind), lead)
 
     def _compile(self, spec: GrammarSpec) -> Any:
         xgr = _xgrammar()
@@ -129,12 +132,17 @@ def _calls_grammar(xgr, calls: dict):
     def literal(text: str):
         return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}") if text else None
 
+    def concat(*parts):
+        parts = [p for p in parts if p is not None]
+        return parts[0] if len(parts) == 1 else xgr.Grammar.concat(*parts)
+
     call = xgr.Grammar.from_json_schema(json.dumps(calls["schema"]), any_whitespace=False, strict_mode=True)
-    one = xgr.Grammar.concat(*[g for g in (literal(calls["prefix"]), call, literal(calls["suffix"])) if g is not None])
+    one = concat(literal(calls["prefix"]), call, literal(calls["suffix"]))
     options, sep = [one], literal(calls["separator"])
     for _ in range(1, calls["most"]):
-        options.append(xgr.Grammar.concat(*[g for g in (options[-1], sep, one) if g is not None]))
-    return options[0] if len(options) == 1 else xgr.Grammar.union(*options)
+        options.append(concat(options[-1], sep, one))
+    listed = options[0] if len(options) == 1 else xgr.Grammar.union(*options)
+    return concat(literal(calls.get("open", "")), listed, literal(calls.get("close", "")))
 
 
 _built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -157,13 +165,17 @@ class Constraint:
     def __init__(self, compiled: Compiled):
         xgr = _xgrammar()
         self.matcher = xgr.GrammarMatcher(compiled.grammar)
-        self.forbidden = compiled.forbidden
+        self.forbidden, self.lead = compiled.forbidden, compiled.lead
         self.vocab_size = compiled.grammar.tokenizer_info.vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
         self.accepted = 0
 
     def mask(self, scores: torch.Tensor) -> torch.Tensor:
         """scores [V] (float32) with every disallowed token at -inf."""
+        if self.accepted < len(self.lead):  # the lead first, token by token
+            keep = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
+            keep[self.lead[self.accepted]] = True
+            return scores.masked_fill(~keep, float("-inf"))
         if self.finished:  # past the grammar's end (ignore_eos): only the stop tokens, as at its end
             keep = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
             keep[[t for t in self.matcher.stop_token_ids if t < scores.shape[-1]]] = True
@@ -177,6 +189,11 @@ class Constraint:
         return scores.masked_fill(~keep, float("-inf"))
 
     def accept(self, token: int) -> None:
+        if self.accepted < len(self.lead):
+            if token != self.lead[self.accepted]:
+                raise RuntimeError(f"the grammar's lead is token {self.lead[self.accepted]}, not {token}")
+            self.accepted += 1
+            return
         if self.finished:
             return
         if not self.matcher.accept_token(token):  # the mask allowed it: only a bug gets here
@@ -186,7 +203,10 @@ class Constraint:
     def rollback(self, to: int) -> None:
         """Back to `to` accepted tokens."""
         if to < self.accepted:
-            self.matcher.rollback(self.accepted - to)
+            lead = len(self.lead)
+            matched = max(0, self.accepted - lead) - max(0, to - lead)  # the grammar's own, past the lead
+            if matched:
+                self.matcher.rollback(matched)
             self.accepted = to
 
     @property

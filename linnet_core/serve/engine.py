@@ -69,6 +69,7 @@ class GenerationRequest:
     # the prompt's own log-probabilities, each with this many likeliest (echo): computed without the
     # prefix cache, sent in one delta before the first token; max_tokens may then be 0 (scoring only)
     prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True  # False: special tokens are text too (a tool-call marker that is one)
 
     def __post_init__(self):
         # The engine's thread trusts these types; a face that builds a request wrongly fails here.
@@ -202,7 +203,7 @@ class _Active:
         self.found_prefix = reused > 0
         self.position = 0  # where the next token goes
         self.last: int | None = None  # the token to feed next
-        self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+        self.decoder = IncrementalDecoder(tokenizer, handle.request.skip_special_tokens) if tokenizer is not None else None
         self.held = ""  # text that might be the start of a stop string
         self.scoring = handle.request.prompt_logprobs is not None
         self.prompt_logprobs: list[TokenLogprobs] = []

@@ -260,7 +260,8 @@ def generation_request(fields: dict, prompt: list[int], *, default_max_tokens: i
                        compile_grammar=None, tool_grammar: GrammarSpec | None = None) -> GenerationRequest:
     """A GenerationRequest from a face's fields: OpenAI's names (`max_tokens` or
     `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`, the penalties,
-    `logit_bias`, `logprobs`/`top_logprobs`, `echo`, `stop`, `stop_token_ids`, `ignore_eos`), every
+    `logit_bias`, `logprobs`/`top_logprobs`, `echo`, `stop`, `stop_token_ids`, `ignore_eos`, vLLM's
+    `skip_special_tokens`), every
     one checked; unsupported features refused by name (with `text_only`, also what needs more than
     one text back: choices, log-probabilities). A structured output (`grammar_spec`) is compiled by
     `compile_grammar` (None: the model has no tokenizer to compile it for), as is `tool_grammar`, the
@@ -288,4 +289,5 @@ def generation_request(fields: dict, prompt: list[int], *, default_max_tokens: i
         except GrammarError as e:
             raise FieldError(f"'{param}': {e.message}", param) from None
     return GenerationRequest(prompt, max_tokens, params, stop_strings(fields), stop_token_ids(fields, vocab_size),
-                             flag(fields, "ignore_eos"), prompt_logprobs=(params.logprobs or 0) if echo else None)
+                             flag(fields, "ignore_eos"), prompt_logprobs=(params.logprobs or 0) if echo else None,
+                             skip_special_tokens=flag(fields, "skip_special_tokens", True))

@@ -163,9 +163,9 @@ class Server:
     def request(self, body: dict, prompt: list[int], chat: bool = False,
                 tool_grammar: GrammarSpec | None = None) -> GenerationRequest:
         if chat and body.get("echo") not in (None, False):
-            raise ApiError(400, "'echo' is a /v1/completions field", "echo")
+            raise ApiError(400, "'echo' is a field of completions, not of chat", "echo")
         if not chat and body.get("tools"):
-            raise ApiError(400, "'tools' is a /v1/chat/completions field", "tools")
+            raise ApiError(400, "'tools' is a field of chat completions", "tools")
         # chat's default max_tokens is the rest of the context, as OpenAI's; completions' is 16
         default = self.engine.cache_len - len(prompt) if chat else self.limits.default_max_tokens
         try:
@@ -189,7 +189,8 @@ class Server:
         return stream, options.get("include_usage", False)
 
     def plan(self, body: dict, prompts: list[list[int]], chat: bool, stream: bool,
-             texts: list[str | list[int]] | None = None, tool_grammar: GrammarSpec | None = None) -> Choices:
+             texts: list[str | list[int]] | None = None, tool_grammar: GrammarSpec | None = None,
+             keep_special: bool = False) -> Choices:
         """The engine requests for `prompts`: `best_of` per prompt (each its own sampler stream: seed,
         seed + 1, ...), of which the `n` likeliest are answered. `texts`: the prompts as sent, which
         `echo` returns (ids are decoded)."""
@@ -202,6 +203,8 @@ class Server:
         requests, asked, echoed = [], None, []
         for prompt, sent in zip(prompts, texts or [None] * len(prompts), strict=True):
             base = self.request(body, prompt, chat, tool_grammar)
+            if keep_special:
+                base = replace(base, skip_special_tokens=False)
             asked = base.sampling.logprobs
             if best_of > n and asked is None:  # ranked by their log-probability, which is then computed
                 base = replace(base, sampling=replace(base.sampling, logprobs=0))
@@ -320,19 +323,23 @@ class Server:
         except LinnetError as e:
             raise ApiError(400, e.message, "messages") from None
 
-    def tool_plan(self, body: dict) -> tuple[ToolRequest | None, ToolFormat | None]:
-        """The request's tools and the format the model's template writes calls in."""
+    def tool_plan(self, body: dict) -> tuple[ToolRequest | None, ToolFormat | None, GrammarSpec | None, bool]:
+        """The request's tools, the format the model's template writes calls in, the grammar a
+        `required` or named `tool_choice` holds the answer to, and whether the format's marker is a
+        special token (then special tokens stay in the text, where the parser finds it)."""
         try:
             tools = tool_request(body)
         except FieldError as e:
             raise ApiError(400, e.message, e.param) from None
         if tools is None:
-            return None, None
+            return None, None, None, False
         fmt = format_for(self.tokenizer.chat_template if self.tokenizer else None)
         if fmt is None:
             raise ApiError(400, "this model's chat template writes no tool calls Linnet reads (it reads Qwen's and "
-                                "Hermes' <tool_call> and Llama 3.1's JSON calls)", "tools")
-        return tools, fmt
+                                "Hermes' <tool_call>, Mistral's [TOOL_CALLS] and Llama 3.1's JSON calls)", "tools")
+        marker = self.tokenizer.encode(fmt.marker, add_special_tokens=False) if fmt.marker else []
+        special = len(marker) == 1 and marker[0] in self.tokenizer.special_ids()
+        return tools, fmt, tools.grammar(fmt, marker if special and fmt.open else []), special
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -507,16 +514,15 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
         body = server.parse(await server.read_body(request))
         server.check_capacity()  # a full queue refuses before any tokenizing is spent on the request
         stream, include_usage = server.stream_options(body)
-        sent, tools, fmt = None, None, None
+        sent, tools, fmt, tool_grammar, keep_special = None, None, None, None, False
         if chat:
             messages = server.chat_messages(body)
-            tools, fmt = server.tool_plan(body)
+            tools, fmt, tool_grammar, keep_special = server.tool_plan(body)
             prompts = [await asyncio.to_thread(server.render_chat, messages, tools.tools if tools else None)]
         else:
             sent = server.completion_prompts(body)
             prompts = [await asyncio.to_thread(server.encode_prompt, p) for p in sent]
-        plan = await asyncio.to_thread(server.plan, body, prompts, chat, stream, sent,
-                                       tools.grammar(fmt) if tools else None)
+        plan = await asyncio.to_thread(server.plan, body, prompts, chat, stream, sent, tool_grammar, keep_special)
         handles: list[Handle] = []
         try:
             for r in plan.requests:

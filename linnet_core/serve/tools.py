@@ -6,7 +6,10 @@ Formats (one small parser each, chosen by what the template writes, never by arc
 - "hermes": `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one or more (Qwen 2.5
   and 3, Hermes; the template says `<tool_call>`);
 - "llama3-json": a bare `{"name": ..., "parameters": {...}}` (Llama 3.1 to 3.3; the template asks
-  for "parameters" and sets `Environment: ipython`), after an optional `<|python_tag|>`.
+  for "parameters" and sets `Environment: ipython`), after an optional `<|python_tag|>`;
+- "mistral": `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral's v3 tokenizers: Mistral
+  7B v0.3, Nemo; the template writes `[TOOL_CALLS]`), the marker a special token, the ids 9 letters
+  and digits, which the template insists on when they come back.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import string
 from dataclasses import dataclass
 
 from ..runtime.constraints import GrammarSpec
@@ -42,10 +46,32 @@ class ToolFormat:
     suffix: str
     separator: str  # between calls
     parallel: bool
+    open: str = ""  # around all the calls
+    close: str = ""
+    short_ids: bool = False  # ids of 9 letters and digits (Mistral's templates refuse any other)
+
+    def new_id(self) -> str:
+        if self.short_ids:
+            return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+        return f"call_{secrets.token_hex(12)}"
 
     def parse(self, text: str, names: set[str]) -> tuple[str, list[Call]]:
         """(the text that is not a call, the calls): calls to unknown tools or with arguments that
         are not a JSON object stay text, as vLLM's parsers leave them."""
+        if self.open:  # the marker, then one JSON list of every call
+            at = text.find(self.marker)
+            if at < 0:
+                return text, []
+            body = text[at + len(self.marker):].strip()
+            try:
+                listed = json.loads(body)
+            except json.JSONDecodeError:
+                return text, []
+            listed = listed if isinstance(listed, list) else [listed]
+            calls = [self._call(json.dumps(c), names) for c in listed]
+            if not calls or any(c is None for c in calls):
+                return text, []
+            return text[:at].strip(), calls
         if self.marker:
             calls, kept, at = [], [], 0
             for m in re.finditer(re.escape(self.marker) + r"\s*(\{.*?\})\s*(?:" + re.escape(self.suffix.strip()) +
@@ -76,7 +102,7 @@ class ToolFormat:
         args = obj.get(self.args_key, obj.get("arguments", obj.get("parameters", {})))
         if not isinstance(args, dict):
             return None
-        return Call(obj["name"], json.dumps(args, ensure_ascii=False), f"call_{secrets.token_hex(12)}")
+        return Call(obj["name"], json.dumps(args, ensure_ascii=False), self.new_id())
 
     def may_start(self, text: str) -> int:
         """Where in `text` a call may begin (len(text) when none may): streamed text stops there."""
@@ -96,6 +122,8 @@ class ToolFormat:
 FORMATS = {
     "hermes": ToolFormat("hermes", "<tool_call>", "arguments", "<tool_call>\n", "\n</tool_call>", "\n", True),
     "llama3-json": ToolFormat("llama3-json", "", "parameters", "", "", "; ", False),
+    "mistral": ToolFormat("mistral", "[TOOL_CALLS]", "arguments", "", "", ", ", True, open="[", close="]",
+                          short_ids=True),
 }
 
 
@@ -105,6 +133,8 @@ def format_for(template: str | None) -> ToolFormat | None:
         return None
     if "<tool_call>" in template:
         return FORMATS["hermes"]
+    if "[TOOL_CALLS]" in template:
+        return FORMATS["mistral"]
     if '"parameters"' in template and "ipython" in template:
         return FORMATS["llama3-json"]
     return None
@@ -137,8 +167,9 @@ class ToolRequest:
     def names(self) -> set[str]:
         return {t["function"]["name"] for t in self.tools}
 
-    def grammar(self, fmt: ToolFormat) -> GrammarSpec | None:
-        """For `required` and a named function: the grammar every answer must follow."""
+    def grammar(self, fmt: ToolFormat, lead: list[int] = ()) -> GrammarSpec | None:
+        """For `required` and a named function: the grammar every answer must follow (after the
+        `lead` token ids: the format's marker where it is one special token)."""
         if self.choice in ("none", "auto"):
             return None
         chosen = [t for t in self.tools if self.choice == "required" or t["function"]["name"] == self.choice]
@@ -147,8 +178,9 @@ class ToolRequest:
                     "required": ["name", fmt.args_key], "additionalProperties": False} for t in chosen]
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         most = MAX_PARALLEL if self.parallel and fmt.parallel else 1
-        return GrammarSpec("tool_calls", json.dumps({"schema": schema, "prefix": fmt.prefix, "suffix": fmt.suffix,
-                                                      "separator": fmt.separator, "most": most}))
+        return GrammarSpec("tool_calls", json.dumps({
+            "schema": schema, "prefix": fmt.prefix, "suffix": fmt.suffix, "separator": fmt.separator, "most": most,
+            "open": (fmt.marker if fmt.open and not lead else "") + fmt.open, "close": fmt.close, "lead": list(lead)}))
 
 
 def tool_request(body: dict) -> ToolRequest | None:
