@@ -180,3 +180,16 @@ def test_the_openai_sdk_parses_into_the_pydantic_model(served):
     stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], stream=True,
                                             response_format=schema_format(Person), max_tokens=200, temperature=0)
     Person.model_validate_json("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "jax"])
+def test_the_mask_holds_on_every_backend(served, backend):
+    """The grammar lives in the sampler, over whatever logits a backend's step returns."""
+    pytest.importorskip({"onnxruntime": "onnxruntime", "jax": "jax"}[backend])
+    url, alone, tok, engine = served
+    session, _ = load_model(tok.folder, backend, "float32", CACHE, rows=1)
+    book = grammars(tok, session.vocab_size, engine.eos_ids)
+    params = SamplingParams(grammar=book.compile(GrammarSpec("json_schema", json.dumps(Person.model_json_schema()))))
+    prompt = tok.encode("Describe someone.")
+    ids = list(Generation(session, prompt, 200, Sampler(params, prompt), stop_ids=engine.eos_ids))
+    Person.model_validate_json(tok.decode(ids))

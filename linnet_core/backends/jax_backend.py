@@ -194,7 +194,7 @@ class XlaSession(Session):
         return a if a.dtype.kind in "iu" else a.astype(np.float32)  # float16 and bfloat16 too
 
     def _sample(self, logits: Any, row: int, sampler: Sampler) -> int:
-        return sampler.pick(torch.from_numpy(np.asarray(logits[row, -1], dtype=np.float32)))
+        return sampler.pick(torch.from_numpy(np.array(logits[row, -1], dtype=np.float32)))  # a writable copy
 
 
 class JaxSession(XlaSession):
