@@ -10,7 +10,8 @@ decode step, and serving throughput with every request held to a JSON schema.
 2. A decode step of 8 rows of the model, all free (greedy on the device) against all 8 held to SCHEMA,
    the two kinds of step taken in turn on their own rows: medians and their ratio.
 3. `linnet serve` on the model, 64 requests at 8 in flight, unconstrained and constrained rounds in
-   turn: output tokens/s and the ratio.
+   turn (the constrained ones as `linnet bench-serving --target http --request-fields` sends them):
+   output tokens/s and the ratio.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import signal
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -100,7 +102,8 @@ def serving(model: str, dtype: str, rounds: int) -> dict:
         run_http(url, workload, prompts[:8])  # warm
         for r in range(rounds):
             for kind in (("free", "held") if r % 2 == 0 else ("held", "free")):
-                results, wall = run_http(url, workload, prompts, extra=held if kind == "held" else None)
+                fields = json.dumps(held) if kind == "held" else ""  # `linnet bench-serving --request-fields`'s
+                results, wall = run_http(url, replace(workload, request_fields=fields), prompts)
                 out[kind].append(sum(len(x.token_times) for x in results if x.ok) / wall)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -36,6 +36,7 @@ def fake_openai(models_body=None):
 
     @app.post("/v1/completions")
     async def completions(body: dict):
+        app.state.bodies = getattr(app.state, "bodies", []) + [body]
         n, broken = body["max_tokens"], body["prompt"][0] == BROKEN
 
         async def events():
@@ -67,6 +68,20 @@ def test_the_bare_address_and_the_v1_base_both_work(fake_url, suffix):
     results, wall = run_http(fake_url + suffix, w, w.prompts(100))
     row = summarize("url", results, wall, w)
     assert row.failed == 0 and row.output_tokens == 20
+
+
+def test_request_fields_ride_on_every_request():
+    app = fake_openai()
+    fields = {"response_format": {"type": "json_object"}, "presence_penalty": 0.5}
+    with app_in_thread(app) as url:
+        w = Workload(requests=3, prompt_min=3, prompt_max=3, new_tokens=2, concurrency=3, request_fields=json.dumps(fields))
+        results, _ = run_http(url, w, w.prompts(100))
+    assert all(r.ok for r in results) and len(app.state.bodies) == 3
+    assert all(b["response_format"] == fields["response_format"] and b["presence_penalty"] == 0.5 for b in app.state.bodies)
+    with pytest.raises(InputError, match="may not set max_tokens"):
+        Workload(request_fields='{"max_tokens": 3}')
+    r = invoke("bench-serving", "--target", "engine", "--request-fields", '{"n": 2}')
+    assert_one_line_error(r, contains="OpenAI-compatible targets only")
 
 
 def test_a_failed_request_says_why_in_the_json_and_the_notes(fake_url):

@@ -67,6 +67,7 @@ def bench_command(
     url: HIDDEN.Url = None,
     api_key: HIDDEN.ApiKey = None,
     build_llama_server: HIDDEN.BuildLlamaServer = False,
+    request_fields: HIDDEN.RequestFields = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -92,7 +93,7 @@ def bench_command(
         config = ServeConfig(model, names[0], dtype, rows, None, prefill_chunk, ServeConfig.max_waiting, decode_stall,
                              burst_wait, prefix_caching)
         run_serving(sink, config, new_tokens, requests, prompt_range, concurrency, rate, shared_prefix, turns, target,
-                    rounds, url, api_key, build_llama_server, html, save, markdown)
+                    rounds, url, api_key, build_llama_server, html, save, markdown, request_fields)
         return
     method = Method(prompt_tokens, new_tokens, batch, runs, warmups, dtype, cache_len)
     subjects = pick(name_list(backend, BACKEND_NAMES, "all"), name_list(compare, tuple(COMPARATORS), "all"))

@@ -64,6 +64,9 @@ def _options(hidden: bool) -> SimpleNamespace:
         Url=Annotated[Optional[str], opt("--url", help="Also measure this OpenAI-compatible server (vLLM, "
                                          "llama-server, ...).")],
         ApiKey=Annotated[Optional[str], opt("--api-key", envvar="LINNET_API_KEY", help="The --url server's key.")],
+        RequestFields=Annotated[Optional[str], opt(
+            "--request-fields", help="A JSON object of fields every request to an OpenAI-compatible target carries "
+            "(http, llama-server, --url): a response_format, tools, penalties.", show_default=False)],
         PrefillChunk=PrefillChunkOpt if not hidden else Annotated[int, opt("--prefill-chunk", min=1)],
         DecodeStall=DecodeStallOpt if not hidden else Annotated[float, opt("--decode-stall", min=0.0)],
         BurstWait=BurstWaitOpt if not hidden else Annotated[float, opt("--burst-wait", min=0.0)],
@@ -96,6 +99,7 @@ def bench_serving_command(
     url: SHOWN.Url = None,
     api_key: SHOWN.ApiKey = None,
     build_llama_server: SHOWN.BuildLlamaServer = False,
+    request_fields: SHOWN.RequestFields = None,
     html: Annotated[Optional[Path], typer.Option("--html", help="Write the page (one self-contained HTML file).",
                                                  show_default=False)] = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the table as Markdown.")] = False,
@@ -110,13 +114,13 @@ def bench_serving_command(
     config = ServeConfig(model, backend.value, dtype, rows, None, prefill_chunk, ServeConfig.max_waiting, decode_stall,
                          burst_wait, prefix_caching)
     run_serving(Sink(json, quiet), config, new_tokens, requests, prompt_range, concurrency, rate, shared_prefix,
-                turns, target, rounds, url, api_key, build_llama_server, html, save, markdown)
+                turns, target, rounds, url, api_key, build_llama_server, html, save, markdown, request_fields)
 
 
 def run_serving(sink: Sink, config: ServeConfig, new_tokens: int, requests: int, prompt_range: str, concurrency: int,
                 rate: float | None, shared_prefix: int, turns: int, target: list[str] | None, rounds: int,
                 url: str | None, api_key: str | None, build_llama_server: bool, html: Path | None,
-                save: Path | None, markdown: bool) -> None:
+                save: Path | None, markdown: bool, request_fields: str | None = None) -> None:
     """The serving bench from the command line's values: checked, measured, written and shown."""
     from linnet_core.bench.serving.run import bench_serving  # imports torch: not at start-up
 
@@ -128,7 +132,12 @@ def run_serving(sink: Sink, config: ServeConfig, new_tokens: int, requests: int,
     unknown = [t for t in targets if t not in TARGET_NAMES]
     if unknown:
         raise InputError(f"unknown target '{unknown[0]}' (choose from: {', '.join(TARGET_NAMES)}; --url for others)")
-    workload = Workload(requests, low, high, new_tokens, concurrency, rate, shared_prefix=shared_prefix, turns=turns)
+    workload = Workload(requests, low, high, new_tokens, concurrency, rate, shared_prefix=shared_prefix, turns=turns,
+                        request_fields=request_fields or "")
+    other = [t for t in targets if t in ("sequential", "engine", "triton")]
+    if workload.fields and other:
+        raise InputError(f"--request-fields goes to OpenAI-compatible targets only, not {', '.join(other)}",
+                         hint="add --target http (and llama-server, --url)")
     if "llama-server" in targets:
         if llama_server.find() is None and build_llama_server:
             llama_server.build(progress=sink.info)

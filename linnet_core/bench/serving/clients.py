@@ -134,7 +134,8 @@ def run_http(url: str, workload: Workload, prompts: list[list[int]], model: str 
 
             async def one(prompt: list[int]) -> RequestResult:
                 body = {"model": name, "prompt": prompt, "max_tokens": workload.new_tokens, "stream": True,
-                        "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0, "min_tokens": workload.new_tokens, **(extra or {})}
+                        "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0,
+                        "min_tokens": workload.new_tokens, **workload.fields, **(extra or {})}
                 return await _stream(client, "/v1/completions", body, _openai_tokens)
 
             return await paced(workload, prompts, one)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -10,6 +11,10 @@ import numpy as np
 
 from ...errors import CheckpointError, InputError
 from ...tokenizer import Tokenizer
+
+
+# what the bench's own requests set: --request-fields may not change them
+OWN_FIELDS = {"model", "prompt", "max_tokens", "stream", "stream_options", "ignore_eos", "min_tokens", "temperature"}
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,7 @@ class Workload:
     seed: int = 0
     shared_prefix: int = 0  # tokens of one system prompt before every request's own
     turns: int = 1  # requests per chat; a chat's turns go one after another
+    request_fields: str = ""  # a JSON object of fields every OpenAI-API request carries (a response_format, ...)
 
     def __post_init__(self):
         if self.requests < 1 or self.concurrency < 1 or self.new_tokens < 1:
@@ -35,6 +41,22 @@ class Workload:
             raise InputError("--shared-prefix must be at least 0 and --turns at least 1")
         if self.requests % self.turns:
             raise InputError(f"--requests ({self.requests}) must be a multiple of --turns ({self.turns})")
+        fields = self.fields  # read once here, so a bad value is refused before anything runs
+        taken = sorted(set(fields) & OWN_FIELDS)
+        if taken:
+            raise InputError(f"--request-fields may not set {', '.join(taken)}: the bench sets those itself")
+
+    @property
+    def fields(self) -> dict:
+        if not self.request_fields:
+            return {}
+        try:
+            fields = json.loads(self.request_fields)
+        except ValueError:
+            raise InputError("--request-fields must be a JSON object, e.g. '{\"response_format\": {...}}'") from None
+        if not isinstance(fields, dict):
+            raise InputError("--request-fields must be a JSON object")
+        return fields
 
     @property
     def longest_prompt(self) -> int:
