@@ -33,16 +33,22 @@ def model(request, tokenized_checkpoints):
 
 
 def run_alone(session, prompt, n, params=None):
-    gen = Generation(session, prompt, n, sampler=Sampler(params or SamplingParams()))
+    gen = Generation(session, prompt, n, sampler=Sampler(params or SamplingParams(), prompt))
     return list(gen)
 
 
 def requests(n, seed=0, vocab=384):
+    """Greedy, seeded, penalised, biased, min-p and log-probability rows, mixed."""
     rng = random.Random(seed)
+    kinds = [SamplingParams(), lambda i: SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=i),
+             SamplingParams(frequency_penalty=1.2, presence_penalty=0.4, repetition_penalty=1.3),
+             lambda i: SamplingParams(temperature=1.0, min_p=0.05, logit_bias=((7, 2.0), (11, -50.0)), seed=i),
+             SamplingParams(logprobs=3)]
     out = []
     for i in range(n):
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 40))]
-        params = SamplingParams() if i % 3 else SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=i)
+        kind = kinds[i % len(kinds)]
+        params = kind(i) if callable(kind) else kind
         out.append(GenerationRequest(prompt, rng.randrange(1, 30), params, ignore_eos=True))
     return out
 

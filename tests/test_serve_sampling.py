@@ -102,7 +102,7 @@ def test_a_rewound_sampler_chooses_the_same_again():
 
 # -- over HTTP --------------------------------------------------------------------------------
 def test_chat_logprobs_equal_the_models_own(served):
-    url, alone, tok, _ = served
+    url, alone, tok, path = served
     messages = [{"role": "user", "content": "The list object"}]
     status, body = post(url, "chat/completions", messages=messages, max_tokens=8, temperature=0, ignore_eos=True,
                         logprobs=True, top_logprobs=5)
@@ -112,6 +112,14 @@ def test_chat_logprobs_equal_the_models_own(served):
     ids = list(Generation(alone, prompt, 8))
     ref = teacher_forced_logprobs(alone, prompt + ids)
     assert len(content) == 8
+    # the reference itself: transformers' float32 logits over the same tokens
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf = model(torch.tensor([prompt + ids])).logits[0].log_softmax(-1).numpy()
+    got = [e["logprob"] for e in content]
+    np.testing.assert_allclose(got, [float(hf[len(prompt) - 1 + k][t]) for k, t in enumerate(ids)], atol=1e-4)
     text = b""
     for k, (entry, token) in enumerate(zip(content, ids, strict=True)):
         row = ref[len(prompt) - 1 + k]
