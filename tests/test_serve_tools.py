@@ -71,8 +71,9 @@ MISTRAL_CONTROL = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/
 @pytest.fixture(scope="module", params=[("qwen2-bias-tied", "Qwen-Qwen2.5-7B-Instruct.jinja", ()),
                                         ("llama-llama3-rope", "meta-llama-Llama-3.1-8B-Instruct.jinja", ()),
                                         ("qwen2-bias-tied", "mistralai-Mistral-Nemo-Instruct-2407.jinja",
-                                         MISTRAL_CONTROL)],
-                ids=["qwen2.5-template", "llama3.1-template", "mistral-nemo-template"])
+                                         MISTRAL_CONTROL),
+                                        ("phi3-fused-window", "microsoft-Phi-4-mini-instruct.jinja", ())],
+                ids=["qwen2.5-template", "llama3.1-template", "mistral-nemo-template", "phi4-mini-template"])
 def served(request, tokenized_checkpoints, tmp_path_factory):
     case, template, special = request.param
     path = with_template(tokenized_checkpoints[case], tmp_path_factory.mktemp("tools") / case, template, special)
@@ -84,7 +85,7 @@ def served(request, tokenized_checkpoints, tmp_path_factory):
 
 
 def chat(url, **body):
-    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 700, "temperature": 0,
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 1000, "temperature": 0,
             "tools": TOOLS, **body}
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
     return r.status_code, r.json()
@@ -121,7 +122,7 @@ def test_a_named_function_is_the_call(served):
 
 def test_streamed_calls_reassemble_into_the_whole_answer(served):
     url, tok = served
-    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 700, "temperature": 0,
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 1000, "temperature": 0,
             "tools": TOOLS, "tool_choice": "required", "stream": True}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
@@ -146,15 +147,16 @@ def test_tool_answers_go_back_through_the_template(served):
                 {"role": "tool", "tool_call_id": "abc123XYZ", "content": "18 degrees and sunny"}]
     status, body = chat(url, messages=messages, max_tokens=4, tool_choice="auto")
     assert status == 200, body
-    rendered = tok.decode(tok.apply_chat_template(
-        [messages[0], {"role": "assistant", "content": "", "tool_calls": [
-            {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", "days": 1}}}]},
-         messages[2]], TOOLS))
-    assert "18 degrees and sunny" in rendered and '"city": "Paris"' in rendered and "get_weather" in rendered
-    assert body["usage"]["prompt_tokens"] == len(tok.apply_chat_template(
-        [messages[0], {"role": "assistant", "content": "", "tool_calls": [
-            {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", "days": 1}}}]},
-         messages[2]], TOOLS))
+    fmt = format_for(tok.chat_template)
+    past = {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", "days": 1}}}
+    shown, listed = fmt.place([messages[0], {"role": "assistant", "content": "", "tool_calls": [past]}, messages[2]],
+                              TOOLS)
+    ids = tok.apply_chat_template(shown, listed)
+    rendered = tok.decode(ids)
+    assert "18 degrees and sunny" in rendered and "get_weather" in rendered  # the tools, and the tool's answer
+    if "tool_calls" in tok.chat_template:  # Phi-4-mini's writes no earlier calls
+        assert '"city": "Paris"' in rendered
+    assert body["usage"]["prompt_tokens"] == len(ids)
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -178,12 +180,12 @@ def test_the_openai_sdk_gets_tool_calls(served):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                       max_tokens=700, temperature=0)
+                                       max_tokens=1000, temperature=0)
     call = r.choices[0].message.tool_calls[0]
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     Weather.model_validate_json(call.function.arguments)
     with client.chat.completions.stream(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
-                                        tool_choice="required", max_tokens=700, temperature=0) as stream:
+                                        tool_choice="required", max_tokens=1000, temperature=0) as stream:
         final = stream.get_final_completion()
     assert final.choices[0].message.tool_calls and final.choices[0].finish_reason == "tool_calls"
 
@@ -223,10 +225,22 @@ def test_mistral_calls_follow_their_marker():
     assert fmt.parse("no calls here", names) == ("no calls here", [])
 
 
+def test_phi4_mini_calls_and_where_its_template_takes_the_tools():
+    fmt, names = FORMATS["phi4-mini"], {"f"}
+    content, calls = fmt.parse('functools[{"name": "f", "arguments": {"x": 1}}]', names)
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1})]
+    messages, tools = fmt.place([{"role": "user", "content": "Hi"}], TOOLS)
+    assert tools is None and messages[0]["role"] == "system"
+    assert [t["name"] for t in json.loads(messages[0]["tools"])] == ["get_weather", "search"]
+    kept, _ = fmt.place([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], TOOLS)
+    assert kept[0]["content"] == "Be brief." and "tools" in kept[0] and len(kept) == 2
+
+
 def test_the_format_is_read_off_the_template():
     assert format_for((TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()).name == "hermes"
     assert format_for((TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()).name == "llama3-json"
     assert format_for((TEMPLATES / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()).name == "mistral"
+    assert format_for((TEMPLATES / "microsoft-Phi-4-mini-instruct.jinja").read_text()).name == "phi4-mini"
     assert format_for("{{ messages[0].content }}") is None
 
 
@@ -237,7 +251,7 @@ def test_langchain_binds_tools_and_structures_output(served):
     from langchain_openai import ChatOpenAI
 
     url, _ = served
-    llm = ChatOpenAI(base_url=f"{url}/v1", api_key="none", model="tiny", temperature=0, max_tokens=120,
+    llm = ChatOpenAI(base_url=f"{url}/v1", api_key="none", model="tiny", temperature=0, max_tokens=1000,
                      max_retries=0)
     message = llm.bind_tools([Weather], tool_choice="Weather").invoke("Weather in Paris?")
     assert message.tool_calls and message.tool_calls[0]["name"] == "Weather"

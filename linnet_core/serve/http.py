@@ -336,7 +336,8 @@ class Server:
         fmt = format_for(self.tokenizer.chat_template if self.tokenizer else None)
         if fmt is None:
             raise ApiError(400, "this model's chat template writes no tool calls Linnet reads (it reads Qwen's and "
-                                "Hermes' <tool_call>, Mistral's [TOOL_CALLS] and Llama 3.1's JSON calls)", "tools")
+                                "Hermes' <tool_call>, Mistral's [TOOL_CALLS], Phi-4-mini's functools[...] and Llama 3.1's JSON calls)",
+                           "tools")
         marker = self.tokenizer.encode(fmt.marker, add_special_tokens=False) if fmt.marker else []
         special = len(marker) == 1 and marker[0] in self.tokenizer.special_ids()
         return tools, fmt, tools.grammar(fmt, marker if special and fmt.open else []), special
@@ -518,7 +519,8 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
         if chat:
             messages = server.chat_messages(body)
             tools, fmt, tool_grammar, keep_special = server.tool_plan(body)
-            prompts = [await asyncio.to_thread(server.render_chat, messages, tools.tools if tools else None)]
+            shown, listed = fmt.place(messages, tools.tools) if tools else (messages, None)
+            prompts = [await asyncio.to_thread(server.render_chat, shown, listed)]
         else:
             sent = server.completion_prompts(body)
             prompts = [await asyncio.to_thread(server.encode_prompt, p) for p in sent]

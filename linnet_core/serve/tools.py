@@ -9,7 +9,10 @@ Formats (one small parser each, chosen by what the template writes, never by arc
   for "parameters" and sets `Environment: ipython`), after an optional `<|python_tag|>`;
 - "mistral": `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral's v3 tokenizers: Mistral
   7B v0.3, Nemo; the template writes `[TOOL_CALLS]`), the marker a special token, the ids 9 letters
-  and digits, which the template insists on when they come back.
+  and digits, which the template insists on when they come back;
+- "phi4-mini": `functools[{"name": ..., "arguments": {...}}, ...]` (Phi-4-mini; its template writes the
+  tools a system message carries, as JSON text in its `tools` key, between `<|tool|>` and
+  `<|/tool|>`: they are put there).
 """
 
 from __future__ import annotations
@@ -49,6 +52,16 @@ class ToolFormat:
     open: str = ""  # around all the calls
     close: str = ""
     short_ids: bool = False  # ids of 9 letters and digits (Mistral's templates refuse any other)
+    tools_in_system: bool = False  # the template reads the tools from the system message, not `tools=`
+
+    def place(self, messages: list[dict], tools: list[dict]) -> tuple[list[dict], list[dict] | None]:
+        """(messages, tools=) as this format's template takes the tools."""
+        if not self.tools_in_system:
+            return messages, tools
+        listed = json.dumps([t["function"] for t in tools], ensure_ascii=False)
+        if messages and messages[0]["role"] == "system":
+            return [{**messages[0], "tools": listed}, *messages[1:]], None
+        return [{"role": "system", "content": "", "tools": listed}, *messages], None
 
     def new_id(self) -> str:
         if self.short_ids:
@@ -124,6 +137,8 @@ FORMATS = {
     "llama3-json": ToolFormat("llama3-json", "", "parameters", "", "", "; ", False),
     "mistral": ToolFormat("mistral", "[TOOL_CALLS]", "arguments", "", "", ", ", True, open="[", close="]",
                           short_ids=True),
+    "phi4-mini": ToolFormat("phi4-mini", "functools", "arguments", "", "", ", ", True, open="[", close="]",
+                            tools_in_system=True),
 }
 
 
@@ -135,6 +150,8 @@ def format_for(template: str | None) -> ToolFormat | None:
         return FORMATS["hermes"]
     if "[TOOL_CALLS]" in template:
         return FORMATS["mistral"]
+    if "<|tool|>" in template and "tools" in template:
+        return FORMATS["phi4-mini"]
     if '"parameters"' in template and "ipython" in template:
         return FORMATS["llama3-json"]
     return None
