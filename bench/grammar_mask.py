@@ -85,8 +85,6 @@ def decode_share(model: str, dtype: str, tok: Tokenizer, steps: int) -> dict:
 
 
 def serving(model: str, dtype: str, rounds: int) -> dict:
-    import httpx  # noqa: F401 - the serve extra's
-
     from linnet_core.bench.serving.clients import run_http
     from linnet_core.bench.serving.targets import start_server
     from linnet_core.bench.serving.workload import Workload, round_trippable

@@ -10,6 +10,23 @@ import httpx
 
 
 @contextmanager
+def served_checkpoint(path, cache_len: int, rows: int = 4, prefill_chunk: int = 32):
+    """`linnet serve`'s app over a float32 torch session of `path` in a thread; yields (url, engine,
+    a one-row session of the same model for each request's answer alone, tokenizer)."""
+    from linnet_core.compile import load_model
+    from linnet_core.serve.engine import Engine
+    from linnet_core.serve.http import Limits, Server, create_app
+    from linnet_core.tokenizer import Tokenizer
+
+    session, _ = load_model(path, "torch", "float32", cache_len, rows=rows)
+    alone, _ = load_model(path, "torch", "float32", cache_len, rows=1)
+    tok = Tokenizer(path)
+    engine = Engine(session, tok, prefill_chunk=prefill_chunk)
+    with app_in_thread(create_app(Server(engine, tok, "tiny", Limits(max_tokens=cache_len)))) as url:
+        yield url, engine, alone, tok
+
+
+@contextmanager
 def app_in_thread(app, **options):
     """Serve an ASGI app with uvicorn on a free local port in a thread (`options`: more uvicorn.Config
     settings); yields its base URL."""

@@ -15,13 +15,10 @@ import torch
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from linnet_core.compile import load_model  # noqa: E402
 from linnet_core.runtime.generate import Generation  # noqa: E402
 from linnet_core.runtime.sampling import Sampler, SamplingParams  # noqa: E402
-from linnet_core.serve.engine import Engine  # noqa: E402
-from linnet_core.serve.http import Limits, Server, create_app  # noqa: E402
 from linnet_core.tokenizer import Tokenizer  # noqa: E402
-from server_fixtures import app_in_thread  # noqa: E402
+from server_fixtures import served_checkpoint  # noqa: E402
 
 CASE = "qwen2-bias-tied"
 CACHE = 128
@@ -31,12 +28,7 @@ ROWS = 4
 @pytest.fixture(scope="module")
 def served(tokenized_checkpoints):
     path = tokenized_checkpoints[CASE]
-    session, _ = load_model(path, "torch", "float32", CACHE, rows=ROWS)
-    alone, _ = load_model(path, "torch", "float32", CACHE, rows=1)
-    tok = Tokenizer(path)
-    engine = Engine(session, tok, prefill_chunk=32)
-    app = create_app(Server(engine, tok, "tiny", Limits(max_tokens=CACHE)))
-    with app_in_thread(app) as url:
+    with served_checkpoint(path, CACHE, rows=ROWS) as (url, _, alone, tok):
         yield url, alone, tok, path
 
 
@@ -115,12 +107,11 @@ def test_chat_logprobs_equal_the_models_own(served):
     # the reference itself: transformers' float32 logits over the same tokens
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         hf = model(torch.tensor([prompt + ids])).logits[0].log_softmax(-1).numpy()
     got = [e["logprob"] for e in content]
     np.testing.assert_allclose(got, [float(hf[len(prompt) - 1 + k][t]) for k, t in enumerate(ids)], atol=1e-4)
-    text = b""
     for k, (entry, token) in enumerate(zip(content, ids, strict=True)):
         row = ref[len(prompt) - 1 + k]
         assert entry["logprob"] == pytest.approx(float(row[token]), abs=1e-4)

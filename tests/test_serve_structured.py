@@ -22,10 +22,7 @@ from linnet_core.compile import load_model  # noqa: E402
 from linnet_core.runtime.constraints import GrammarSpec, grammars  # noqa: E402
 from linnet_core.runtime.generate import Generation  # noqa: E402
 from linnet_core.runtime.sampling import Sampler, SamplingParams  # noqa: E402
-from linnet_core.serve.engine import Engine  # noqa: E402
-from linnet_core.serve.http import Limits, Server, create_app  # noqa: E402
-from linnet_core.tokenizer import Tokenizer  # noqa: E402
-from server_fixtures import app_in_thread  # noqa: E402
+from server_fixtures import served_checkpoint  # noqa: E402
 
 CASE = "qwen2-bias-tied"
 CACHE = 256
@@ -58,13 +55,7 @@ class Person(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def served(tokenized_checkpoints):
-    path = tokenized_checkpoints[CASE]
-    session, _ = load_model(path, "torch", "float32", CACHE, rows=4)
-    alone, _ = load_model(path, "torch", "float32", CACHE, rows=1)
-    tok = Tokenizer(path)
-    engine = Engine(session, tok, prefill_chunk=64)
-    app = create_app(Server(engine, tok, "tiny", Limits(max_tokens=CACHE)))
-    with app_in_thread(app) as url:
+    with served_checkpoint(tokenized_checkpoints[CASE], CACHE, prefill_chunk=64) as (url, engine, alone, tok):
         yield url, alone, tok, engine
 
 
