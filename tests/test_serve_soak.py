@@ -40,7 +40,7 @@ FUZZ = [
     b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": -Infinity}',
     b'{"prompt": "x", "seed": 99999999999999999999999}', b'{"prompt": "x", "stop": [1, 2]}',
     b'{"prompt": "x", "stop": {"a": 1}}', b'{"prompt": "x", "stop_token_ids": [-1]}',
-    b'{"prompt": "x", "n": 3}', b'{"prompt": "x", "logit_bias": {"1": 100}}', b'{"prompt": "x", "tools": [1]}',
+    b'{"prompt": "x", "n": 0}', b'{"prompt": "x", "logit_bias": {"x1": 100}}', b'{"prompt": "x", "tools": [1]}',
     b'{"prompt": [1, 2, 99999999]}', b'{"prompt": "x", "stream": 1}', b'{"prompt": "x", "model": 7}',
     b'{"prompt": "x", "a": ' + b"[" * 3000 + b"]" * 3000 + b"}", b'{"prompt": ' + b"7" * 5000 + b"}",
     b'{"prompt": "\xff\xfe"}', json.dumps({"prompt": "x" * 20000}).encode(),

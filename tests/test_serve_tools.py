@@ -191,8 +191,8 @@ def test_the_openai_sdk_gets_tool_calls(served):
 
 
 # -- the parsers alone --------------------------------------------------------------------------
-def test_hermes_calls_are_found_among_text():
-    fmt, names = FORMATS["hermes"], {"f", "g"}
+def test_tagged_calls_are_found_among_text():
+    fmt, names = FORMATS["tagged"], {"f", "g"}
     text = 'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"a": {"b": 1}}}\n</tool_call>\n' \
            '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
     content, calls = fmt.parse(text, names)
@@ -205,8 +205,8 @@ def test_hermes_calls_are_found_among_text():
         assert fmt.parse(stays, names) == (stays, [])
 
 
-def test_llama3_json_calls():
-    fmt, names = FORMATS["llama3-json"], {"f"}
+def test_bare_json_calls():
+    fmt, names = FORMATS["bare-json"], {"f"}
     assert [(c.name, json.loads(c.arguments)) for c in fmt.parse('<|python_tag|>{"name": "f", "parameters": {"q": 1}}',
                                                                  names)[1]] == [("f", {"q": 1})]
     assert fmt.parse('{"name": "f", "parameters": {}}; {"name": "f", "parameters": {"z": 0}}', names)[1][1].arguments \
@@ -215,8 +215,8 @@ def test_llama3_json_calls():
     assert fmt.parse('{"name": "other", "parameters": {}}', names)[1] == []
 
 
-def test_mistral_calls_follow_their_marker():
-    fmt, names = FORMATS["mistral"], {"f", "g"}
+def test_marked_list_calls_follow_their_marker():
+    fmt, names = FORMATS["marked-list"], {"f", "g"}
     content, calls = fmt.parse('Sure.[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]',
                                names)
     assert content == "Sure." and [c.name for c in calls] == ["f", "g"]
@@ -225,8 +225,8 @@ def test_mistral_calls_follow_their_marker():
     assert fmt.parse("no calls here", names) == ("no calls here", [])
 
 
-def test_phi4_mini_calls_and_where_its_template_takes_the_tools():
-    fmt, names = FORMATS["phi4-mini"], {"f"}
+def test_functools_calls_and_the_template_that_takes_tools_in_the_system_message():
+    fmt, names = FORMATS["functools"], {"f"}
     content, calls = fmt.parse('functools[{"name": "f", "arguments": {"x": 1}}]', names)
     assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1})]
     messages, tools = fmt.place([{"role": "user", "content": "Hi"}], TOOLS)
@@ -237,10 +237,10 @@ def test_phi4_mini_calls_and_where_its_template_takes_the_tools():
 
 
 def test_the_format_is_read_off_the_template():
-    assert format_for((TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()).name == "hermes"
-    assert format_for((TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()).name == "llama3-json"
-    assert format_for((TEMPLATES / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()).name == "mistral"
-    assert format_for((TEMPLATES / "microsoft-Phi-4-mini-instruct.jinja").read_text()).name == "phi4-mini"
+    assert format_for((TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()).name == "tagged"
+    assert format_for((TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()).name == "bare-json"
+    assert format_for((TEMPLATES / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()).name == "marked-list"
+    assert format_for((TEMPLATES / "microsoft-Phi-4-mini-instruct.jinja").read_text()).name == "functools"
     assert format_for("{{ messages[0].content }}") is None
 
 

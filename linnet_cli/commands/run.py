@@ -107,7 +107,7 @@ def _piece(tok: Tokenizer, token: int) -> str:
 
 def output_constraint(json_schema: Path | None, regex: str | None, grammar: Path | None):
     """The GrammarSpec of --json-schema / --regex / --grammar (one at most), or None."""
-    from linnet_core.runtime.constraints import GrammarSpec, grammar_kind
+    from linnet_core.runtime.constraints import GrammarSpec, grammar_kind  # imports torch: not at start-up
 
     given = [name for name, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if v]
     if len(given) > 1:

@@ -2,15 +2,16 @@
 the model's answer parsed back into OpenAI's `tool_calls`, and the grammar that holds a `required` or
 named `tool_choice` to a valid call.
 
-Formats (one small parser each, chosen by what the template writes, never by architecture name):
-- "hermes": `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one or more (Qwen 2.5
+Formats (one small parser each, chosen by what the template writes, never by architecture name;
+the models named are those whose released templates write them):
+- "tagged": `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one or more (Qwen 2.5
   and 3, Hermes; the template says `<tool_call>`);
-- "llama3-json": a bare `{"name": ..., "parameters": {...}}` (Llama 3.1 to 3.3; the template asks
+- "bare-json": a bare `{"name": ..., "parameters": {...}}` (Llama 3.1 to 3.3; the template asks
   for "parameters" and sets `Environment: ipython`), after an optional `<|python_tag|>`;
-- "mistral": `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral's v3 tokenizers: Mistral
+- "marked-list": `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral's v3 tokenizers: Mistral
   7B v0.3, Nemo; the template writes `[TOOL_CALLS]`), the marker a special token, the ids 9 letters
   and digits, which the template insists on when they come back;
-- "phi4-mini": `functools[{"name": ..., "arguments": {...}}, ...]` (Phi-4-mini; its template writes the
+- "functools": `functools[{"name": ..., "arguments": {...}}, ...]` (Phi-4-mini; its template writes the
   tools a system message carries, as JSON text in its `tools` key, between `<|tool|>` and
   `<|/tool|>`: they are put there).
 """
@@ -133,11 +134,11 @@ class ToolFormat:
 
 
 FORMATS = {
-    "hermes": ToolFormat("hermes", "<tool_call>", "arguments", "<tool_call>\n", "\n</tool_call>", "\n", True),
-    "llama3-json": ToolFormat("llama3-json", "", "parameters", "", "", "; ", False),
-    "mistral": ToolFormat("mistral", "[TOOL_CALLS]", "arguments", "", "", ", ", True, open="[", close="]",
+    "tagged": ToolFormat("tagged", "<tool_call>", "arguments", "<tool_call>\n", "\n</tool_call>", "\n", True),
+    "bare-json": ToolFormat("bare-json", "", "parameters", "", "", "; ", False),
+    "marked-list": ToolFormat("marked-list", "[TOOL_CALLS]", "arguments", "", "", ", ", True, open="[", close="]",
                           short_ids=True),
-    "phi4-mini": ToolFormat("phi4-mini", "functools", "arguments", "", "", ", ", True, open="[", close="]",
+    "functools": ToolFormat("functools", "functools", "arguments", "", "", ", ", True, open="[", close="]",
                             tools_in_system=True),
 }
 
@@ -147,13 +148,13 @@ def format_for(template: str | None) -> ToolFormat | None:
     if not template:
         return None
     if "<tool_call>" in template:
-        return FORMATS["hermes"]
+        return FORMATS["tagged"]
     if "[TOOL_CALLS]" in template:
-        return FORMATS["mistral"]
+        return FORMATS["marked-list"]
     if "<|tool|>" in template and "tools" in template:
-        return FORMATS["phi4-mini"]
+        return FORMATS["functools"]
     if '"parameters"' in template and "ipython" in template:
-        return FORMATS["llama3-json"]
+        return FORMATS["bare-json"]
     return None
 
 

@@ -66,7 +66,9 @@ async def _stream(client, path: str, body: dict, tokens_in) -> RequestResult:
                         return res.failed(f"the server's error event: {json.dumps(event['error'])[:160]}",
                                           keep_tokens=True)
                     n = tokens_in(event, len(res.token_times))
-                    res.token_times += [time.perf_counter()] * n
+                    if n < 0:  # a usage count below the tokens counted from text: it settles the total
+                        del res.token_times[n:]
+                    res.token_times += [time.perf_counter()] * max(n, 0)
     except httpx.HTTPError as e:  # the reason in the report: "RemoteProtocolError: peer closed connection ..."
         return res.failed(f"{type(e).__name__}: {e}"[:200])
     except (ValueError, KeyError, TypeError, IndexError) as e:
@@ -83,13 +85,13 @@ def _client(url: str, workload: Workload, headers: dict | None = None):
 
 
 def _openai_tokens(chunk: dict, seen: int) -> int:
-    if not chunk.get("choices"):  # OpenAI's closing usage chunk (stream_options.include_usage)
-        return max(0, chunk["usage"]["completion_tokens"] - seen) if chunk.get("usage") else 0
+    if not chunk.get("choices"):  # OpenAI's closing usage chunk (stream_options.include_usage): the total
+        return chunk["usage"]["completion_tokens"] - seen if chunk.get("usage") else 0
     choice = chunk["choices"][0]
     if choice.get("finish_reason") is None:  # one chunk per token
         return 1
     if chunk.get("usage"):  # the closing chunk: its count settles the total
-        return max(0, chunk["usage"]["completion_tokens"] - seen)
+        return chunk["usage"]["completion_tokens"] - seen
     return 1 if choice.get("text") else 0  # no usage: a closing chunk with text is a token
 
 
