@@ -5,8 +5,9 @@
 hidden 1024, 8 layers, 16 heads / 8 KV heads, head_dim 128, intermediate 3072, vocab 32000
 (766 MB), written by transformers itself; random weights, so speed and distances are meaningful
 and the text is not. A byte-level BPE tokenizer (Qwen2's pre-tokenizer, 2,000 tokens trained on
-Python's own documentation, padded by the model's vocabulary as Qwen's is) makes it a complete
-checkpoint: exports carry it, and llama.cpp reads it from the GGUF.
+Python's own documentation, padded by the model's vocabulary as Qwen's is) and a ChatML chat template
+(Qwen's) make it a complete checkpoint: exports carry them, llama.cpp reads them from the GGUF, and
+`linnet verify --url` checks a server's chat template against it.
 """
 
 from __future__ import annotations
@@ -47,8 +48,10 @@ def write_tokenizer(folder: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(list(topics.values()), trainers.BpeTrainer(
         vocab_size=2000, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.add_special_tokens(["<|endoftext|>"])
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     tok.save(str(folder / "tokenizer.json"))
+    chatml = Path(__file__).resolve().parents[1] / "linnet_core" / "default_model" / "chat_template.jinja"
+    (folder / "chat_template.jinja").write_text(chatml.read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "model_max_length": 4096}))
 

@@ -14,7 +14,7 @@ from linnet_core.models.catalog import SHORT_NAMES
 BackendName = Enum("BackendName", {name: name for name in BACKEND_NAMES}, type=str)
 
 
-def _dtype(value: str) -> str:
+def dtype_choice(value: str) -> str:
     """Accept every spelling (bf16, fp16, float32, q4, ...), pass on the canonical name."""
     canonical = "auto" if value == "auto" else normalize_format(value)
     if canonical is None:
@@ -30,6 +30,8 @@ def _complete_model(incomplete: str) -> list[str]:
     return [n for n in SHORT_NAMES if n.startswith(incomplete)]
 
 
+DTYPE_HELP = ("Compute dtype (bf16, fp16, f32 also accepted), or weights in llama.cpp's q8_0 / q4_0 blocks "
+              "(computed in float32); auto = the checkpoint's.")
 ModelArg = Annotated[
     str, typer.Argument(help="Checkpoint folder, .gguf file, Hugging Face repo id, or short name (see README).",
                         autocompletion=_complete_model, show_default=False)
@@ -41,9 +43,8 @@ OptionalModelArg = Annotated[
 ]
 BackendOpt = Annotated[BackendName, typer.Option("--backend", "-b", help="Backend to compile for.")]
 DtypeOpt = Annotated[str, typer.Option(
-    "--dtype", "-d", callback=_dtype, autocompletion=_complete_dtype, metavar="[auto|float32|float16|bfloat16|q8_0|q4_0]",
-    help="Compute dtype (bf16, fp16, f32 also accepted), or weights in llama.cpp's q8_0 / q4_0 blocks "
-         "(computed in float32); auto = the checkpoint's.")]
+    "--dtype", "-d", callback=dtype_choice, autocompletion=_complete_dtype, metavar="[auto|float32|float16|bfloat16|q8_0|q4_0]",
+    help=DTYPE_HELP)]
 CacheLenOpt = Annotated[
     Optional[int], typer.Option("--cache-len", min=1, help="KV cache positions (default: min(2048, model max)).")
 ]

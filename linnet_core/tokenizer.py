@@ -160,6 +160,10 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of `messages` rendered by the checkpoint's template, ready for the reply; `tools`
         (OpenAI's function definitions) passed to the template as transformers passes them."""
+        return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The text of `messages` rendered by the checkpoint's template, ready for the reply."""
         if not self.chat_template:
             # no folder in the message: a server sends it to clients
             raise InputError("the model has no chat template", hint="drop --chat to send the prompt as it is")
@@ -172,7 +176,7 @@ class Tokenizer:
             )
         except TemplateError as e:
             raise InputError(f"the checkpoint's chat template failed to render: {e}") from None
-        return self.encode(text, add_special_tokens=False)
+        return text
 
     def _chat_renderer(self):
         """The chat template compiled once (a server renders it for every request)."""

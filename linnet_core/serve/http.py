@@ -31,7 +31,7 @@ from ..runtime.sampling import TokenLogprobs
 from ..tokenizer import Tokenizer
 from . import Mailbox
 from .engine import Delta, Engine, EngineFull, EngineUnavailable, GenerationRequest, Handle
-from .fields import SEED_RANGE, FieldError, choice_counts, generation_request, grammar_compiler, parse_json
+from .fields import SEED_RANGE, FieldError, choice_counts, flag, generation_request, grammar_compiler, parse_json
 from .guard import REFUSED
 from .logprobs import TokenNames, chat_content, completion_logprobs, cumulative
 from .tools import CallStream, ToolFormat, ToolRequest, format_for, tool_request
@@ -215,6 +215,12 @@ class Server:
                 seed = None if seed is None else (seed + j if seed + j < SEED_RANGE[1] else seed - j)
                 requests.append(base if j == 0 else replace(base, sampling=replace(base.sampling, seed=seed)))
         return Choices(requests, n, best_of, logprobs=asked is not None, echoed=echoed or None)
+
+    def ids_asked(self, body: dict) -> bool:
+        try:
+            return flag(body, "return_tokens_as_token_ids")
+        except FieldError as e:
+            raise ApiError(400, e.message, e.param) from None
 
     @functools.cached_property
     def token_names(self) -> TokenNames:
@@ -524,6 +530,7 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
         else:
             sent = server.completion_prompts(body)
             prompts = [await asyncio.to_thread(server.encode_prompt, p) for p in sent]
+        as_ids = server.ids_asked(body)
         plan = await asyncio.to_thread(server.plan, body, prompts, chat, stream, sent, tool_grammar, keep_special)
         handles: list[Handle] = []
         try:
@@ -537,7 +544,9 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
-        names = server.token_names
+        # vLLM's `return_tokens_as_token_ids`: logprobs name tokens "token_id:N", which tells apart
+        # tokens that decode alike (or to nothing) for a client that checks them by id
+        names = TokenNames(None) if as_ids else server.token_names
 
         def cancel_all():
             for h in handles:

@@ -9,6 +9,7 @@ import contextlib
 import json
 import time
 
+from ...check.server_api import server_root
 from ...errors import InputError
 from ...runtime.generate import Generation
 from ...serve import Mailbox
@@ -93,15 +94,6 @@ def _openai_tokens(chunk: dict, seen: int) -> int:
     if chunk.get("usage"):  # the closing chunk: its count settles the total
         return chunk["usage"]["completion_tokens"] - seen
     return 1 if choice.get("text") else 0  # no usage: a closing chunk with text is a token
-
-
-def server_root(url: str) -> str:
-    """The server's root from an address as people write it: `http://host:port`, or the `/v1` base
-    OpenAI clients take (`http://host:port/v1/`)."""
-    base = url.strip().rstrip("/")
-    if not base.startswith(("http://", "https://")):
-        raise InputError(f"--url must start with http:// or https://, got '{url}'")
-    return base[:-3] if base.endswith("/v1") else base
 
 
 async def served_model(client, url: str) -> str:
