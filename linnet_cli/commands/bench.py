@@ -15,7 +15,7 @@ from linnet_core.errors import InputError
 from linnet_core.serve.config import ServeConfig
 
 from ..options import DtypeOpt, JsonOpt, OptionalModelArg, QuietOpt, name_list
-from ..output import EXIT_INTERRUPTED, Sink, check_output_files, handle_errors
+from ..output import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, Sink, check_output_files, handle_errors
 from .bench_serving import HIDDEN, run_serving
 
 
@@ -49,6 +49,14 @@ def bench_command(
                                                  show_default=False)] = None,
     workdir: Annotated[Optional[Path], typer.Option("--workdir", help="Keep exports and worker logs here.",
                                                     show_default=False)] = None,
+    baseline: Annotated[Optional[Path], typer.Option(
+        "--baseline", help="A saved --json run of the same command on this machine: exit 3 when a side's median "
+                           "decode tok/s or TTFT is slower by more than --max-slowdown and beyond the runs' noise "
+                           "(one-sided Mann-Whitney U, p < 0.05; --runs 3 at least).", show_default=False)] = None,
+    max_slowdown: Annotated[str, typer.Option(
+        "--max-slowdown", help="--baseline: the slowdown allowed, as a percentage (5%) or a fraction (0.05).")] = "5%",
+    other_machine: Annotated[bool, typer.Option(
+        "--other-machine", help="--baseline from another machine: compare, with a warning (default: refused).")] = False,
     serving: Annotated[bool, typer.Option("--serving", help="Measure serving many requests at once instead: "
                                           "`linnet bench-serving`, whose options this command takes too.")] = False,
     requests: HIDDEN.Requests = 256,
@@ -84,9 +92,12 @@ def bench_command(
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     check_output_files(html, save)
+    gate = _baseline(baseline, max_slowdown) if baseline is not None else None  # a bad file: refused before the runs
     if serving and time_limit is not None:
         raise InputError("--time-limit bounds the decode bench; --serving is bounded by --requests")
     if serving:
+        if gate is not None:
+            raise InputError("--baseline gates the decode bench; compare serving runs with bench-serving's report")
         names = name_list(backend, (), "torch")
         if len(names) != 1:
             raise InputError("--serving measures one backend at a time: give one --backend")
@@ -103,6 +114,12 @@ def bench_command(
                        time_limit=time_limit)
     finally:
         reporter.close()
+    doc, verdict = result.to_json(), None
+    if gate is not None:
+        from linnet_core.check.baseline import bench_gate
+
+        verdict = doc["baseline"] = bench_gate(doc, gate[0], baseline, gate[1], other_machine,
+                                               warn=lambda text: sink.err.print(f"warning: {text}"))
     if html is not None:
         from linnet_core.bench.page import render  # imports torch: not at start-up
 
@@ -112,10 +129,10 @@ def bench_command(
     if save is not None:
         import json as jsonlib
 
-        save.write_text(jsonlib.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+        save.write_text(jsonlib.dumps(doc, indent=2) + "\n", encoding="utf-8")
         sink.info(f"wrote {save}")
     if json:
-        sink.data("", result.to_json())
+        sink.data("", doc)
     elif markdown:
         from linnet_core.bench.report import markdown as to_markdown  # imports torch: not at start-up
 
@@ -124,11 +141,32 @@ def bench_command(
         from linnet_core.bench.report import rich_table  # imports torch: not at start-up
 
         sink.out.print(rich_table(result))
+    if verdict is not None:  # shown even with --quiet: a failed gate is what the job is for
+        line = (("[green]ok[/]" if verdict["passed"] else "[bold red]FAIL[/]") + f" against {baseline}: "
+                + verdict["summary"] + (f" · changed: {', '.join(verdict['versions_changed'])}"
+                                        if verdict["versions_changed"] else ""))
+        sink.info(line) if verdict["passed"] else sink.err.print(line)
+        if not verdict["passed"]:
+            raise typer.Exit(EXIT_CHECK_FAILED)
     if result.time_limited:
         sink.info(f"--time-limit {time_limit:g} s ran out: the table holds what was measured by then")
     if result.interrupted:
         sink.info("interrupted: the table holds what was measured before Ctrl-C")
         raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def _baseline(path: Path, max_slowdown: str) -> tuple[dict, float]:
+    """The saved run and the allowed slowdown as a fraction, both checked before any run."""
+    from linnet_core.check.baseline import read_saved
+
+    text = max_slowdown.strip()
+    try:
+        bound = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise InputError(f"--max-slowdown must be a percentage (5%) or a fraction (0.05), got '{max_slowdown}'") from None
+    if not 0 <= bound < 1:
+        raise InputError(f"--max-slowdown must be from 0% to below 100%, got '{max_slowdown}'")
+    return read_saved(path, "sides", "linnet bench"), bound
 
 
 class _progress:

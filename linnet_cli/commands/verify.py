@@ -113,7 +113,7 @@ def _verify_url(sink: Sink, model, url, dtype, api_key, served_model_name, promp
                       served_model_name, prompts, new_tokens, top_logprobs, timeout, revision,
                       progress=lambda text: sink.info(f"[dim]{text}...[/]"))
     if old is not None:
-        r.baseline = verify_gate(r, old, baseline, other_machine, warn=lambda text: sink.info(f"warning: {text}"))
+        r.baseline = verify_gate(r, old, baseline, other_machine, warn=lambda text: sink.err.print(f"warning: {text}"))
         r.passed = r.passed and r.baseline["passed"]
     if save is not None:
         save.write_text(jsonlib.dumps(r.to_json(), indent=2) + "\n", encoding="utf-8")

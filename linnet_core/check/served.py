@@ -124,6 +124,14 @@ class Reference:
         quantized = f" over {self.dtype}'s dequantized blocks" if FORMATS[self.dtype].quantized else ""
         return f"transformers eager, {getattr(self, 'label', 'float32')}{quantized}"
 
+    def greedy(self, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
+        """The reference's own n greedy tokens after `ids`, and the logits each was picked from [n, V]."""
+        tokens, rows = [], []
+        for _ in range(n):
+            rows.append(self.logits(list(ids) + tokens)[-1])
+            tokens.append(int(rows[-1].argmax()))
+        return tokens, np.stack(rows)
+
     def logits(self, ids: list[int]) -> np.ndarray:
         """[len(ids), V]: position t predicts ids[t + 1]."""
         if self._llm is not None:
@@ -258,6 +266,31 @@ def compare(name: str, kind: str, prompt: list[int], generated: list[Scored], sc
     return c
 
 
+def compare_text(name: str, kind: str, prompt: list[int], text: str, greedy: list[int], logits: np.ndarray,
+                 tok: Tokenizer, bounds: Bounds) -> Comparison:
+    """A server's text (no logprobs) against the reference's greedy tokens `greedy` (with their logits
+    [n, V]): agreement up to the token where the texts part; decisive where the reference's first
+    choice there led its second by more than the tolerance (then no other token could be right)."""
+    agreement, decisive = len(greedy), None
+    # Whole texts compared (a prefix may end inside a UTF-8 character), without U+FFFD: decoders
+    # render broken bytes as one or several, which says nothing about the model.
+    def plain(t: str) -> str:
+        return t.replace("\ufffd", "")
+
+    text, ref_text = plain(text), plain(tok.decode(greedy))
+    i = first_difference(text, ref_text)
+    if i < len(text) and i < len(ref_text):  # they part (a shorter text is a stop, not a difference)
+        agreement = next((j for j in range(len(greedy)) if len(plain(tok.decode(greedy[:j + 1]))) > i),
+                         len(greedy) - 1)
+        top2 = np.sort(logits[agreement])[-2:]
+        decisive = agreement if top2[1] - top2[0] > bounds.logprob else None
+    c = Comparison(name, kind, len(prompt), greedy[:agreement], 0, agreement, decisive, None, None, None, None)
+    if decisive is not None:
+        c.passed, c.finding = False, (f"the text parts from the reference's greedy text at token {decisive + 1}, where "
+                                      f"the reference's first choice leads by more than the tolerance")
+    return c
+
+
 def first_difference(a: list, b: list) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -330,15 +363,18 @@ def verify_server(model: str | Path | None, url: str, dtype: str = "auto", api_k
     caps = {"logprobs": None, "prompt_logprobs": None, "token_ids": None, "tokenize": None, "chat_rendering": None}
 
     # 1. Ask the server everything first; the reference then runs once over what it answered.
-    asked = []
+    asked, counts = [], {"prompt": 0, "chat": 0}
     for n, item in enumerate(items, 1):
         progress(f"asking the server ({n}/{len(items)})")
-        if "messages" in item:
+        kind = "chat" if "messages" in item else "prompt"
+        counts[kind] += 1
+        name = f"{kind} {counts[kind]}"
+        if kind == "chat":
             asked.append(_ask_chat(client, probe, tok, item["messages"], new_tokens, top_logprobs, ids_of, served_model,
-                                   template, caps, f"chat {n - len(DEFAULT_PROMPTS)}"))
+                                   template, tokenizer, caps, name))
         else:
             asked.append(_ask_completion(client, probe, tok, item["prompt"], new_tokens, top_logprobs, ids_of,
-                                         served_model, tokenizer, caps, f"prompt {n}"))
+                                         served_model, tokenizer, caps, name))
     asked = [a for a in asked if a is not None]
     if caps["logprobs"] is False:
         missing.append("the server returns no logprobs: only the tokenizer, the chat template and the greedy "
@@ -352,11 +388,15 @@ def verify_server(model: str | Path | None, url: str, dtype: str = "auto", api_k
     bounds = Bounds(activations_of(dtype, m.config.get("gguf_weights") if m.is_gguf else None), False)
     ref = Reference(m, dtype if not m.is_gguf else "float32")
     comparisons = []
-    longest = max(len(a["prompt"]) + len(a["generated"]) for a in asked)
+    longest = max(len(a["prompt"]) + max(len(a["generated"]), new_tokens) for a in asked)
     progress("running the reference")
     with ref.opened(longest + 1):
         bounds.reference_rounds = getattr(ref, "label", "float32") != "float32" or m.is_gguf
         for a in asked:
+            if isinstance(a["generated"], str):  # text only: the reference's own greedy text beside it
+                a["greedy"] = ref.greedy(a["prompt"], new_tokens)
+                bounds.see(a["greedy"][1])
+                continue
             gen_ids = []
             for s in a["generated"]:
                 if s.id is None:
@@ -367,7 +407,9 @@ def verify_server(model: str | Path | None, url: str, dtype: str = "auto", api_k
             bounds.see(logits)
             a["logp"] = log_softmax(logits)
         for a in asked:
-            comparisons.append(compare(a["name"], a["kind"], a["prompt"], a["generated"], a["scored_prompt"],
+            comparisons.append(compare_text(a["name"], a["kind"], a["prompt"], a["generated"], *a["greedy"], tok, bounds)
+                               if "greedy" in a else
+                               compare(a["name"], a["kind"], a["prompt"], a["generated"], a["scored_prompt"],
                                        a["logp"], bounds, top_logprobs))
     if template["checked"] is None:
         missing.append("no chat template check: " + (template.pop("why", None) or "no conversation was asked"))
@@ -408,13 +450,14 @@ def _environment() -> dict:
             "versions": {d: v for d in ("linnet", "torch", "transformers", "llama-cpp-python") if (v := version(d))}}
 
 
-def _generated(choice: dict, ids_of: TokenIds, tok: Tokenizer, caps: dict) -> list[Scored]:
-    """The generated tokens with logprobs; without logprobs, the text's tokens (nothing to compare but them)."""
+def _generated(choice: dict, ids_of: TokenIds, tok: Tokenizer, caps: dict) -> list[Scored] | str:
+    """The generated tokens with logprobs; without logprobs, only the text (its tokens are not known:
+    a text need not split back into the tokens that wrote it)."""
     scored = read_logprobs(choice, ids_of)
     if scored is None:
         caps["logprobs"] = False
-        text = choice.get("text") or (choice.get("message") or {}).get("content") or ""
-        return [Scored(i, "", None) for i in tok.encode(text, add_special_tokens=False)]
+        text = choice.get("text") if "text" in choice else (choice.get("message") or {}).get("content")
+        return text if isinstance(text, str) else ""
     caps["logprobs"] = True
     if scored and caps["token_ids"] is None:
         caps["token_ids"] = "ids in the answer" if any(
@@ -444,8 +487,11 @@ def _ask_completion(client, probe: Probe, tok: Tokenizer, text: str, new_tokens:
     scored = _generated(choice, ids_of, tok, caps)
     scored_prompt: list[Scored] = []
     prompt = theirs if theirs is not None else mine
-    if probe.echo and caps["logprobs"]:
-        n_prompt = used if isinstance(used, int) and used <= len(scored) else len(prompt)
+    made = (answer.get("usage") or {}).get("completion_tokens")
+    # A server may take `echo` and still score only what it generated (llama-server): the count tells.
+    n_prompt = (len(scored) - made if isinstance(made, int) and made <= len(scored)
+                else len(prompt) if scored and scored[0].logprob is None else 0) if probe.echo and caps["logprobs"] else 0
+    if n_prompt:
         scored_prompt, scored = scored[:n_prompt], scored[n_prompt:]
         if theirs is None:  # the echoed tokens are the server's own split of the prompt
             echoed = [s.id for s in scored_prompt]
@@ -455,7 +501,7 @@ def _ask_completion(client, probe: Probe, tok: Tokenizer, text: str, new_tokens:
     elif (pl := read_prompt_logprobs(choice, prompt, k)) is not None:
         scored_prompt, caps["prompt_logprobs"] = pl, "prompt_logprobs"
     # The tokenizer: the server's split of the text, else its count of the prompt's tokens.
-    if theirs is not None or (probe.echo and caps["logprobs"] and prompt is not mine):
+    if theirs is not None or prompt is not mine:
         tokenizer["checked"] = "/tokenize" if theirs is not None else "echoed prompt tokens"
         if prompt != mine:
             i = first_difference(prompt, mine)
@@ -474,7 +520,7 @@ def _ask_completion(client, probe: Probe, tok: Tokenizer, text: str, new_tokens:
 
 
 def _ask_chat(client, probe: Probe, tok: Tokenizer, messages: list[dict], new_tokens: int, k: int, ids_of: TokenIds,
-              served_model: str, template: dict, caps: dict, name: str) -> dict:
+              served_model: str, template: dict, tokenizer: dict, caps: dict, name: str) -> dict | None:
     if not tok.chat_template:
         template["why"] = "the model has no chat template"
         return None
@@ -491,22 +537,34 @@ def _ask_chat(client, probe: Probe, tok: Tokenizer, messages: list[dict], new_to
     used = (answer.get("usage") or {}).get("prompt_tokens")
     template["checked"] = template["checked"] or (rendered[0] if rendered else "prompt counts in usage"
                                                   if isinstance(used, int) else "the answers' logprobs")
+    theirs = None  # the server's own tokens for the conversation, where it tells them
     finding = None
-    if rendered and isinstance(rendered[1], str) and rendered[1] != text:
-        i = first_difference(rendered[1], text)
-        finding = (f"{name}: the server renders the conversation differently from the model's template from "
-                   f"character {i}: server {rendered[1][i:i + 40]!r} vs template {text[i:i + 40]!r}")
-    elif rendered and isinstance(rendered[1], list) and rendered[1] != mine:
-        i = first_difference(rendered[1], mine)
-        finding = (f"{name}: the server's chat prompt has {len(rendered[1])} tokens, the model's template renders "
-                   f"{len(mine)}; first difference at token {i}: server {_pieces(tok, rendered[1][i:i + 4])} vs "
-                   f"template {_pieces(tok, mine[i:i + 4])}")
-    elif not rendered and isinstance(used, int) and used != len(mine):
+    if rendered and isinstance(rendered[1], str):
+        theirs = probe.tokenize(rendered[1])
+        if rendered[1] != text:
+            i = first_difference(rendered[1], text)
+            finding = (f"{name}: the server renders the conversation differently from the model's template from "
+                       f"character {i}: server {rendered[1][i:i + 40]!r} vs template {text[i:i + 40]!r}")
+    elif rendered:
+        theirs = rendered[1]
+        said = tok.decode(theirs, skip_special_tokens=False)
+        if said != text:
+            i = first_difference(said, text)
+            finding = (f"{name}: the server's chat prompt reads differently from the model's template from "
+                       f"character {i}: server {said[i:i + 40]!r} vs template {text[i:i + 40]!r}")
+        elif theirs != mine:  # the same text, split differently: the tokenizer's doing, not the template's
+            i = first_difference(theirs, mine)
+            tokenizer["passed"] = False
+            tokenizer["findings"].append(f"{name}: the chat prompt's text is the model's, split into {len(theirs)} "
+                                         f"tokens where the model's tokenizer gives {len(mine)}; first difference "
+                                         f"at token {i}: server {_pieces(tok, theirs[i:i + 3])} vs model "
+                                         f"{_pieces(tok, mine[i:i + 3])}")
+    elif isinstance(used, int) and used != len(mine):
         finding = (f"{name}: the server counts {used} prompt tokens for the conversation, the model's template "
                    f"renders {len(mine)}")
     if finding:
         template["passed"], template["finding"] = False, finding
-    return {"name": name, "kind": "chat", "prompt": mine, "generated": _generated(choice, ids_of, tok, caps),
+    return {"name": name, "kind": "chat", "prompt": theirs or mine, "generated": _generated(choice, ids_of, tok, caps),
             "scored_prompt": []}
 
 
