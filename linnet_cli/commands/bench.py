@@ -52,7 +52,7 @@ def bench_command(
     baseline: Annotated[Optional[Path], typer.Option(
         "--baseline", help="A saved --json run of the same command on this machine: exit 3 when a side's median "
                            "decode tok/s or TTFT is slower by more than --max-slowdown and beyond the runs' noise "
-                           "(one-sided Mann-Whitney U, p < 0.05; --runs 3 at least).", show_default=False)] = None,
+                           "(one-sided Mann-Whitney U, p ≤ 0.05; --runs 3 at least).", show_default=False)] = None,
     max_slowdown: Annotated[str, typer.Option(
         "--max-slowdown", help="--baseline: the slowdown allowed, as a percentage (5%) or a fraction (0.05).")] = "5%",
     other_machine: Annotated[bool, typer.Option(

@@ -2,7 +2,7 @@
 measured again after an upgrade of torch, a driver, a server or Linnet itself.
 
 bench: a side is slower when its median decode tok/s (or TTFT) moved past `--max-slowdown` and a
-one-sided Mann-Whitney U test over the two sets of timed runs puts the drop beyond noise (p < 0.05),
+one-sided Mann-Whitney U test over the two sets of timed runs puts the drop beyond noise (p ≤ 0.05),
 so neither one lucky sample nor a drift within the runs' own spread fails a job.
 verify --url: the server's logprobs for the same greedy tokens moved past the dtype's tolerance.
 """
@@ -85,13 +85,13 @@ def bench_gate(new: dict, old: dict, path: Path, max_slowdown: float, other_mach
             ma, mb = _median(a), _median(b)
             change = mb / ma - 1
             p = drop_p_value(a, b)
-            slower = change < -max_slowdown and p < P_VALUE
+            slower = change < -max_slowdown and p <= P_VALUE
             passed &= not slower
             rows.append({"key": side["key"], "metric": metric, "baseline_median": _median_raw(before, metric),
                          "median": _median_raw(side, metric), "speed_change": change, "p_value": p,
                          "runs": [len(a), len(b)], "slower": slower})
     slow = [r for r in rows if r["slower"]]
-    summary = (f"{len(rows)} medians compared (bound {max_slowdown:.0%}, p < {P_VALUE}); "
+    summary = (f"{len(rows)} medians compared (bound {max_slowdown:.0%}, p ≤ {P_VALUE}); "
                + ("; ".join(f"{r['key']} {r['metric']} {-r['speed_change']:.1%} slower (p = {r['p_value']:.3g})"
                             for r in slow) if slow else "none slower"))
     return {"file": str(path), "passed": passed, "same_machine": same, "max_slowdown": max_slowdown,

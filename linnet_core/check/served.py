@@ -28,8 +28,8 @@ from ..errors import InputError
 from ..tokenizer import Tokenizer
 from .agreement import TOLERANCE, log_softmax
 from .prompts import DEFAULT_PROMPT, UNSEEN_TEXT, has_tokenizer
-from .server_api import (Client, Refused, Scored, ServerFailed, TokenIds, first_choice, read_logprobs,
-                         read_prompt_logprobs)
+from .server_api import (Client, Refused, Scored, ServerFailed, TokenIds, first_choice, read_llamacpp_native,
+                         read_logprobs, read_prompt_logprobs)
 
 # Prompts that exercise the tokenizer (digits, code, accents, CJK, emoji) and, the last, positions
 # far enough out that a wrong rope base shows.
@@ -301,6 +301,7 @@ class Probe:
     def __init__(self, client: Client, model: str, owned_by: str):
         self.client, self.model = client, model
         self.vllm, self.ids_field = owned_by == "vllm", owned_by in ("vllm", "linnet")
+        self.llamacpp = owned_by == "llamacpp"
         self.tokenize_ok: bool | None = None
         self.echo: bool | None = None
 
@@ -466,6 +467,16 @@ def _generated(choice: dict, ids_of: TokenIds, tok: Tokenizer, caps: dict) -> li
     return scored
 
 
+def _ask_llamacpp(client, probe: Probe, text: str, new_tokens: int, k: int, caps: dict) -> list[Scored] | None:
+    """llama-server's /completion with `return_tokens` and `n_probs`; None where it does not answer so."""
+    answer = client.optional("/completion", {"prompt": text, "n_predict": new_tokens, "temperature": 0,
+                                             "n_probs": k, "return_tokens": True, "cache_prompt": False})
+    scored = read_llamacpp_native(answer) if answer else None
+    if scored is not None:
+        caps["logprobs"], caps["token_ids"] = True, "llama-server's /completion (return_tokens)"
+    return scored
+
+
 def _ask_completion(client, probe: Probe, tok: Tokenizer, text: str, new_tokens: int, k: int, ids_of: TokenIds,
                     served_model: str, tokenizer: dict, caps: dict, name: str) -> dict:
     mine = tok.encode(text)
@@ -473,6 +484,19 @@ def _ask_completion(client, probe: Probe, tok: Tokenizer, text: str, new_tokens:
     caps["tokenize"] = probe.tokenize_ok
     body = {"model": served_model, "prompt": text, "max_tokens": new_tokens, "temperature": 0, "logprobs": k,
             **probe.extra(k)}
+    if probe.llamacpp:  # its own endpoint names every generated token (its OpenAI one drops some)
+        native = _ask_llamacpp(client, probe, text, new_tokens, k, caps)
+        if native is not None:
+            if theirs is not None and theirs != mine:
+                i = first_difference(theirs, mine)
+                tokenizer["passed"] = False
+                tokenizer["findings"].append(
+                    f"{name}: the server splits the text into {len(theirs)} tokens, the model's tokenizer into "
+                    f"{len(mine)}; first difference at token {i}: server {_pieces(tok, theirs[i:i + 3])} vs "
+                    f"model {_pieces(tok, mine[i:i + 3])}")
+            tokenizer["checked"] = "/tokenize" if theirs is not None else tokenizer["checked"]
+            return {"name": name, "kind": "completion", "prompt": theirs if theirs is not None else mine,
+                    "generated": native, "scored_prompt": []}
     answer = None
     if probe.echo is not False:
         try:
@@ -535,6 +559,9 @@ def _ask_chat(client, probe: Probe, tok: Tokenizer, messages: list[dict], new_to
     answer = client.post("/v1/chat/completions", body)
     choice = first_choice(answer, f"{client.root}/v1/chat/completions")
     used = (answer.get("usage") or {}).get("prompt_tokens")
+    generated = _generated(choice, ids_of, tok, caps)
+    if probe.llamacpp and rendered and isinstance(rendered[1], str):  # every token named: its own endpoint
+        generated = _ask_llamacpp(client, probe, rendered[1], new_tokens, k, caps) or generated
     template["checked"] = template["checked"] or (rendered[0] if rendered else "prompt counts in usage"
                                                   if isinstance(used, int) else "the answers' logprobs")
     theirs = None  # the server's own tokens for the conversation, where it tells them
@@ -564,7 +591,7 @@ def _ask_chat(client, probe: Probe, tok: Tokenizer, messages: list[dict], new_to
                    f"renders {len(mine)}")
     if finding:
         template["passed"], template["finding"] = False, finding
-    return {"name": name, "kind": "chat", "prompt": theirs or mine, "generated": _generated(choice, ids_of, tok, caps),
+    return {"name": name, "kind": "chat", "prompt": theirs or mine, "generated": generated,
             "scored_prompt": []}
 
 

@@ -203,3 +203,21 @@ def read_prompt_logprobs(choice: dict, prompt: list[int], n_top: int) -> list[Sc
                       and not (isinstance(v.get("rank"), int) and v["rank"] > n_top)), key=lambda t: -t[1])
         out.append(Scored(token, str(mine.get("decoded_token", "")), _number(mine.get("logprob")), top))
     return out
+
+
+def read_llamacpp_native(answer: dict) -> list[Scored] | None:
+    """llama-server's own /completion with `return_tokens`: every generated id in `tokens`, and
+    `completion_probabilities` entries. Those lose step with the tokens at one that ends inside a UTF-8
+    character (its entry is left out and the next ones do not match their positions' distributions),
+    so entries are taken while they match the tokens one for one; the rest keep their ids alone."""
+    tokens, probs = answer.get("tokens"), answer.get("completion_probabilities")
+    if not (isinstance(tokens, list) and all(isinstance(t, int) for t in tokens) and isinstance(probs, list)):
+        return None
+    out = [Scored(t, "", None) for t in tokens]
+    for k, (token, e) in enumerate(zip(tokens, probs)):
+        if not isinstance(e, dict) or e.get("id") != token:
+            break
+        top = [(t.get("id"), lp) for t in e.get("top_logprobs") or [] if isinstance(t, dict)
+               and isinstance(t.get("id"), int) and (lp := _number(t.get("logprob"))) is not None]
+        out[k] = Scored(token, str(e.get("token", "")), _number(e.get("logprob")), top)
+    return out
