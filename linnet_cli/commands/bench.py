@@ -11,6 +11,7 @@ import typer
 
 from linnet_core.backends import BACKEND_NAMES
 from linnet_core.bench.subjects import COMPARATORS, Method, pick
+from linnet_core.check.baseline import bench_gate, read_saved
 from linnet_core.errors import InputError
 from linnet_core.serve.config import ServeConfig
 
@@ -116,8 +117,6 @@ def bench_command(
         reporter.close()
     doc, verdict = result.to_json(), None
     if gate is not None:
-        from linnet_core.check.baseline import bench_gate
-
         verdict = doc["baseline"] = bench_gate(doc, gate[0], baseline, gate[1], other_machine,
                                                warn=lambda text: sink.err.print(f"warning: {text}"))
     if html is not None:
@@ -157,8 +156,6 @@ def bench_command(
 
 def _baseline(path: Path, max_slowdown: str) -> tuple[dict, float]:
     """The saved run and the allowed slowdown as a fraction, both checked before any run."""
-    from linnet_core.check.baseline import read_saved
-
     text = max_slowdown.strip()
     try:
         bound = float(text[:-1]) / 100 if text.endswith("%") else float(text)

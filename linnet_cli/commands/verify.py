@@ -8,7 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from linnet_core.check.baseline import read_saved, verify_gate
 from linnet_core.check.quant_effect import QuantEffect
+from linnet_core.errors import InputError
 
 from ..options import (
     DTYPE_HELP,
@@ -72,8 +74,6 @@ def verify_command(
         return _verify_url(sink, model, url, dtype, api_key, served_model_name, prompts, new_tokens, top_logprobs,
                            timeout, baseline, other_machine, save, revision)
     if baseline is not None:
-        from linnet_core.errors import InputError
-
         raise InputError("--baseline compares a server's answers: give --url too")
     # The core (and torch) load here, not at CLI start-up, so --help and completion stay fast.
     from linnet_core.check.verify import verify  # imports torch: not at start-up
@@ -103,7 +103,6 @@ def _verify_url(sink: Sink, model, url, dtype, api_key, served_model_name, promp
                 timeout, baseline, other_machine, save, revision) -> None:
     import json as jsonlib
 
-    from linnet_core.check.baseline import read_saved, verify_gate
     from linnet_core.check.served import verify_server  # imports torch: not at start-up
 
     check_output_files(save)

@@ -14,7 +14,9 @@ where it is: tokenizer, chat template or logits.
 from __future__ import annotations
 
 import gc
+import importlib.metadata
 import json
+import platform
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -22,14 +24,18 @@ from pathlib import Path
 
 import numpy as np
 
+from ..bench.machine import cpu_name
 from ..compile import Model, open_model, pick_dtype
 from ..dtypes import FORMATS
 from ..errors import InputError
+from ..gguf.llamacpp_reference import llamacpp, native_stderr_kept
 from ..tokenizer import Tokenizer
 from .agreement import TOLERANCE, log_softmax
 from .prompts import DEFAULT_PROMPT, UNSEEN_TEXT, has_tokenizer
+from .reference import as_quantized, load_reference, reference_dtype, run_reference
 from .server_api import (Client, Refused, Scored, ServerFailed, TokenIds, first_choice, read_llamacpp_native,
                          read_logprobs, read_prompt_logprobs)
+from .verify import LLAMACPP_ACTIVATIONS
 
 # Prompts that exercise the tokenizer (digits, code, accents, CJK, emoji) and, the last, positions
 # far enough out that a wrong rope base shows.
@@ -98,15 +104,11 @@ class Reference:
     @contextmanager
     def opened(self, positions: int):
         if self.m.is_gguf:
-            from ..gguf.llamacpp_reference import llamacpp
-
             with llamacpp(self.m.path, positions) as llm:
                 self._llm = llm
                 yield self
             self._llm = None
             return
-        from .reference import as_quantized, load_reference, reference_dtype
-
         fmt = FORMATS[self.dtype]
         self.label = reference_dtype(self.m.spec, self.dtype)
         self._hf = load_reference(self.m.path, self.label)
@@ -135,22 +137,16 @@ class Reference:
     def logits(self, ids: list[int]) -> np.ndarray:
         """[len(ids), V]: position t predicts ids[t + 1]."""
         if self._llm is not None:
-            from ..gguf.llamacpp_reference import native_stderr_kept
-
             with native_stderr_kept():
                 self._llm.reset()
                 self._llm.eval(list(ids))
                 return np.array(self._llm.scores[:len(ids)], dtype=np.float32)
-        from .reference import run_reference
-
         return run_reference(self._hf, list(ids), 0).logits
 
 
 def activations_of(dtype: str, gguf_weights: str | None = None) -> str:
     """What the claimed dtype rounds activations to, the key of its tolerance."""
     if gguf_weights is not None:
-        from .verify import LLAMACPP_ACTIVATIONS
-
         return LLAMACPP_ACTIVATIONS.get(gguf_weights, "int8/256")
     return "int8" if FORMATS[dtype].quantized else dtype
 
@@ -436,11 +432,6 @@ def verify_server(model: str | Path | None, url: str, dtype: str = "auto", api_k
 
 def _environment() -> dict:
     """This machine and versions (the server's are its own: a baseline is compared on the same setup)."""
-    import importlib.metadata
-    import platform
-
-    from ..bench.machine import cpu_name
-
     def version(d: str) -> str | None:
         try:
             return importlib.metadata.version(d)
