@@ -341,3 +341,25 @@ def test_bench_baseline_on_the_command_line(checkpoints, tmp_path):
     (tmp_path / "junk.json").write_text("[1, 2]")
     r = invoke(*common, "--baseline", str(tmp_path / "junk.json"))
     assert_one_line_error(r, contains="not a saved run of `linnet bench --json`")
+
+
+def test_prompts_files_and_a_prompt_past_the_servers_context(model, tmp_path):
+    text = tmp_path / "prompts.txt"
+    text.write_text("First extra prompt\\nwith a newline\n\nSecond extra prompt\n")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello there"}]}) + "\n"
+                     + json.dumps({"prompt": "A third"}) + "\n")
+    with served_checkpoint(model, cache_len=200, rows=2) as (url, *_):  # the long default prompt does not fit
+        r = invoke("verify", str(model), "--url", url + "/v1", "--prompts", str(text), "--json")
+        assert r.exit_code == 0, r.stdout + r.stderr
+        doc = json.loads(r.stdout)
+        names = [c["name"] for c in doc["comparisons"]]
+        assert names == ["prompt 1", "prompt 2", "prompt 3", "chat 1", "prompt 5", "prompt 6"]
+        assert any("prompt 4 not checked" in m and "HTTP 400" in m for m in doc["missing"])
+        r = invoke("verify", str(model), "--url", url + "/v1", "--prompts", str(chats), "--json")
+        assert r.exit_code == 0, r.stdout + r.stderr
+        assert [c["kind"] for c in json.loads(r.stdout)["comparisons"]][-2:] == ["chat", "completion"]
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"prompt": 3}\n')
+        r = invoke("verify", str(model), "--url", url + "/v1", "--prompts", str(bad))
+        assert_one_line_error(r, contains="line 1: give")

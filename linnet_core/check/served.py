@@ -100,6 +100,8 @@ class Reference:
     def __init__(self, m: Model, dtype: str):
         self.m, self.dtype = m, dtype
         self._llm = self._hf = None
+        # the precision it computes in: llama.cpp rounds as the file's weights say (a rounding of its own)
+        self.label = f"llama.cpp ({m.config.get('gguf_weights', 'F32')} weights)" if m.is_gguf else "float32"
 
     @contextmanager
     def opened(self, positions: int):
@@ -122,9 +124,9 @@ class Reference:
 
     def describe(self) -> str:
         if self.m.is_gguf:
-            return f"llama.cpp on {self.m.path.name} ({self.m.config.get('gguf_weights', 'F32')} weights)"
+            return f"{self.label} on {self.m.path.name}"
         quantized = f" over {self.dtype}'s dequantized blocks" if FORMATS[self.dtype].quantized else ""
-        return f"transformers eager, {getattr(self, 'label', 'float32')}{quantized}"
+        return f"transformers eager, {self.label}{quantized}"
 
     def greedy(self, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
         """The reference's own n greedy tokens after `ids`, and the logits each was picked from [n, V]."""
@@ -144,10 +146,8 @@ class Reference:
         return run_reference(self._hf, list(ids), 0).logits
 
 
-def activations_of(dtype: str, gguf_weights: str | None = None) -> str:
+def activations_of(dtype: str) -> str:
     """What the claimed dtype rounds activations to, the key of its tolerance."""
-    if gguf_weights is not None:
-        return LLAMACPP_ACTIVATIONS.get(gguf_weights, "int8/256")
     return "int8" if FORMATS[dtype].quantized else dtype
 
 
@@ -342,7 +342,13 @@ def verify_server(model: str | Path | None, url: str, dtype: str = "auto", api_k
     m = open_model(model, revision)
     if not has_tokenizer(m.path):
         raise InputError(f"{m.path} has no tokenizer: a server is checked on text, which needs the model's own")
-    dtype = pick_dtype(dtype, m.spec) if not m.is_gguf else m.config.get("gguf_weights", "F32").lower()
+    claimed = pick_dtype(dtype, m.spec)
+    # A GGUF's reference is llama.cpp on the file, at the rounding of its weights' type (or of the
+    # server's claim, where that is coarser: a float16 KV cache over float32 weights, say).
+    file_rounding = LLAMACPP_ACTIVATIONS.get(m.config.get("gguf_weights", "F32"), "int8/256") if m.is_gguf else None
+    rounding = activations_of(claimed) if not m.is_gguf or dtype != "auto" else file_rounding
+    if file_rounding is not None and TOLERANCE[file_rounding] > TOLERANCE[rounding]:
+        rounding = file_rounding
     tok = Tokenizer(m.path)
     client = Client(url, api_key, timeout)
     listed = client.get("/v1/models").get("data")
@@ -360,19 +366,28 @@ def verify_server(model: str | Path | None, url: str, dtype: str = "auto", api_k
     caps = {"logprobs": None, "prompt_logprobs": None, "token_ids": None, "tokenize": None, "chat_rendering": None}
 
     # 1. Ask the server everything first; the reference then runs once over what it answered.
-    asked, counts = [], {"prompt": 0, "chat": 0}
+    asked, counts, refused = [], {"prompt": 0, "chat": 0}, None
     for n, item in enumerate(items, 1):
         progress(f"asking the server ({n}/{len(items)})")
         kind = "chat" if "messages" in item else "prompt"
         counts[kind] += 1
         name = f"{kind} {counts[kind]}"
-        if kind == "chat":
-            asked.append(_ask_chat(client, probe, tok, item["messages"], new_tokens, top_logprobs, ids_of, served_model,
-                                   template, tokenizer, caps, name))
-        else:
-            asked.append(_ask_completion(client, probe, tok, item["prompt"], new_tokens, top_logprobs, ids_of,
-                                         served_model, tokenizer, caps, name))
+        try:
+            if kind == "chat":
+                asked.append(_ask_chat(client, probe, tok, item["messages"], new_tokens, top_logprobs, ids_of,
+                                       served_model, template, tokenizer, caps, name))
+            else:
+                asked.append(_ask_completion(client, probe, tok, item["prompt"], new_tokens, top_logprobs, ids_of,
+                                             served_model, tokenizer, caps, name))
+        except Refused as e:  # one prompt refused (longer than its context, say): the others still tell
+            if e.status not in (400, 413, 422):
+                raise
+            missing.append(f"{name} not checked: {e.message}")
+            refused = e
     asked = [a for a in asked if a is not None]
+    if not asked:
+        raise refused or ServerFailed("no prompt could be checked: the model has no chat template for the "
+                                      "conversations given")
     if caps["logprobs"] is False:
         missing.append("the server returns no logprobs: only the tokenizer, the chat template and the greedy "
                        "tokens (against the reference's first choices) were checked")
@@ -382,13 +397,13 @@ def verify_server(model: str | Path | None, url: str, dtype: str = "auto", api_k
         missing.append("no prompt logprobs (echo or prompt_logprobs): only generated positions were compared")
 
     # 2. The reference, teacher-forced on the server's tokens.
-    bounds = Bounds(activations_of(dtype, m.config.get("gguf_weights") if m.is_gguf else None), False)
-    ref = Reference(m, dtype if not m.is_gguf else "float32")
+    bounds = Bounds(rounding, False)
+    ref = Reference(m, claimed)
     comparisons = []
     longest = max(len(a["prompt"]) + max(len(a["generated"]), new_tokens) for a in asked)
     progress("running the reference")
     with ref.opened(longest + 1):
-        bounds.reference_rounds = getattr(ref, "label", "float32") != "float32" or m.is_gguf
+        bounds.reference_rounds = ref.label != "float32"
         for a in asked:
             if isinstance(a["generated"], str):  # text only: the reference's own greedy text beside it
                 a["greedy"] = ref.greedy(a["prompt"], new_tokens)
@@ -424,7 +439,7 @@ def verify_server(model: str | Path | None, url: str, dtype: str = "auto", api_k
     if plain_failed:
         diagnosis.append("logits")
     return ServedReport(
-        model=m.resolved.name, url=client.root, served_model=served_model, dtype=dtype, reference=ref.describe(),
+        model=m.resolved.name, url=client.root, served_model=served_model, dtype=claimed, reference=ref.describe(),
         tolerance=bounds.logprob, kld_bound=bounds.kld, top_logprobs=top_logprobs, tokenizer=tokenizer,
         template=template, comparisons=comparisons, capabilities=caps, missing=missing, diagnosis=diagnosis,
         passed=not diagnosis, environment=_environment(), seconds=time.perf_counter() - t0)
