@@ -304,10 +304,13 @@ class Probe:
     def tokenize(self, text: str) -> list[int] | None:
         if self.tokenize_ok is False:
             return None
-        # "prompt" for vLLM, SGLang and Linnet; "content" and "add_special" for llama-server
+        # "prompt" for vLLM, SGLang and Linnet; "content" and "add_special" for llama-server; "inputs"
+        # for TGI, which answers a list of {id, text, start, stop}
         out = self.client.optional("/tokenize", {"model": self.model, "prompt": text, "content": text,
-                                                 "add_special_tokens": True, "add_special": True})
-        ids = out.get("tokens") if out else None
+                                                 "inputs": text, "add_special_tokens": True, "add_special": True},
+                                   shapes=(dict, list))
+        ids = out.get("tokens") if isinstance(out, dict) else [t.get("id") if isinstance(t, dict) else None
+                                                               for t in out] if out else None
         self.tokenize_ok = isinstance(ids, list) and all(isinstance(i, int) for i in ids)
         return ids if self.tokenize_ok else None
 

@@ -58,21 +58,20 @@ class Client:
     def get(self, path: str) -> dict:
         return self._call(urllib.request.Request(self.root + path, headers=self.headers))
 
-    def post(self, path: str, body: dict) -> dict:
+    def post(self, path: str, body: dict, shapes: tuple = (dict,)):
+        """The JSON answer, of one of `shapes` (an object, unless said otherwise)."""
         data = json.dumps(body).encode()
-        return self._call(urllib.request.Request(self.root + path, data=data, headers=self.headers, method="POST"))
+        return self._call(urllib.request.Request(self.root + path, data=data, headers=self.headers, method="POST"),
+                          shapes)
 
-    def _call(self, request: urllib.request.Request) -> dict:
+    def _call(self, request: urllib.request.Request, shapes: tuple = (dict,)):
         where = request.full_url
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as r:
                 raw = r.read()
         except urllib.error.HTTPError as e:
             raise Refused(e.code, _error_message(e.read()), where) from None
-        except (TimeoutError, socket.timeout):
-            raise ServerFailed(f"{where} did not answer within {self.timeout:g} s",
-                               hint="--timeout gives a slow server longer") from None
-        except (urllib.error.URLError, OSError) as e:
+        except (urllib.error.URLError, OSError) as e:  # a timeout comes bare or wrapped, by the stage it hit
             reason = getattr(e, "reason", e)
             if isinstance(reason, (TimeoutError, socket.timeout)):
                 raise ServerFailed(f"{where} did not answer within {self.timeout:g} s",
@@ -83,14 +82,14 @@ class Client:
         except ValueError:
             raise ServerFailed(f"{where} answered, but not with JSON: {raw[:120]!r}",
                                hint="is this an OpenAI-compatible server?") from None
-        if not isinstance(out, dict):
-            raise ServerFailed(f"{where} answered JSON that is not an object: {raw[:120]!r}")
+        if not isinstance(out, shapes):
+            raise ServerFailed(f"{where} answered JSON of another shape: {raw[:120]!r}")
         return out
 
-    def optional(self, path: str, body: dict | None = None) -> dict | None:
+    def optional(self, path: str, body: dict | None = None, shapes: tuple = (dict,)):
         """The answer, or None where the server has no such endpoint or refuses the request's fields."""
         try:
-            return self.post(path, body) if body is not None else self.get(path)
+            return self.post(path, body, shapes) if body is not None else self.get(path)
         except Refused as e:
             if e.status in (400, 404, 405, 422, 500, 501):
                 return None
