@@ -363,3 +363,8 @@ def test_prompts_files_and_a_prompt_past_the_servers_context(model, tmp_path):
         bad.write_text('{"prompt": 3}\n')
         r = invoke("verify", str(model), "--url", url + "/v1", "--prompts", str(bad))
         assert_one_line_error(r, contains="line 1: give")
+
+
+def test_server_options_without_url_are_refused(model):
+    r = invoke("verify", str(model), "--prompts", "p.txt")
+    assert_one_line_error(r, contains="--prompts is for checking a server: give --url too")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json as jsonlib
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -61,7 +62,8 @@ def verify_command(
                            "logprobs moved beyond the tolerance since.", show_default=False)] = None,
     other_machine: Annotated[bool, typer.Option(
         "--other-machine", help="--baseline from another machine: compare, with a warning (default: refused).")] = False,
-    save: Annotated[Optional[Path], typer.Option("--save", help="Also write the --json document to this file.",
+    save: Annotated[Optional[Path], typer.Option("--save", help="Also write the --json document to this file "
+                                                 "(with --url: the --baseline of a later run).",
                                                  show_default=False)] = None,
     revision: RevisionOpt = None,
     json: JsonOpt = False,
@@ -73,8 +75,10 @@ def verify_command(
     if url is not None:
         return _verify_url(sink, model, url, dtype, api_key, served_model_name, prompts, new_tokens, top_logprobs,
                            timeout, baseline, other_machine, save, revision)
-    if baseline is not None:
-        raise InputError("--baseline compares a server's answers: give --url too")
+    for given, flag in ((baseline, "--baseline"), (prompts, "--prompts"), (served_model_name, "--served-model-name")):
+        if given is not None:
+            raise InputError(f"{flag} is for checking a server: give --url too")
+    check_output_files(save)
     # The core (and torch) load here, not at CLI start-up, so --help and completion stay fast.
     from linnet_core.check.verify import verify  # imports torch: not at start-up
 
@@ -95,14 +99,19 @@ def verify_command(
         + (f"\n  quantization's own effect, {QuantEffect(**r.quantization).describe()}" if r.quantization else ""),
         r.to_json(),
     )
+    _save(sink, save, r.to_json())
     if not r.passed:
         raise typer.Exit(EXIT_CHECK_FAILED)
 
 
+def _save(sink: Sink, path: Path | None, doc: dict) -> None:
+    if path is not None:
+        path.write_text(jsonlib.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        sink.info(f"wrote {path}")
+
+
 def _verify_url(sink: Sink, model, url, dtype, api_key, served_model_name, prompts, new_tokens, top_logprobs,
                 timeout, baseline, other_machine, save, revision) -> None:
-    import json as jsonlib
-
     from linnet_core.check.served import verify_server  # imports torch: not at start-up
 
     check_output_files(save)
@@ -114,9 +123,7 @@ def _verify_url(sink: Sink, model, url, dtype, api_key, served_model_name, promp
     if old is not None:
         r.baseline = verify_gate(r, old, baseline, other_machine, warn=lambda text: sink.err.print(f"warning: {text}"))
         r.passed = r.passed and r.baseline["passed"]
-    if save is not None:
-        save.write_text(jsonlib.dumps(r.to_json(), indent=2) + "\n", encoding="utf-8")
-        sink.info(f"wrote {save}")
+    _save(sink, save, r.to_json())
     sink.data(_describe(r), r.to_json())
     if not r.passed:
         raise typer.Exit(EXIT_CHECK_FAILED)
