@@ -13,11 +13,10 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import numpy as np
 import pytest
 from family_fixtures import CASES, TOKENIZED_VOCAB, make_checkpoint
-from gguf_corpus import read as read_gguf_file
-from gguf_corpus import write as write_gguf_file
+import broken_servers
+from broken_servers import EXPECTED
 from server_fixtures import app_in_thread, served_checkpoint, wait_healthy
 from test_cli import assert_one_line_error, invoke
 from tokenizer_fixtures import write_tokenizer
@@ -30,9 +29,6 @@ from linnet_core.tokenizer import Tokenizer
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 CHATML = (Path(__file__).parents[1] / "linnet_core" / "default_model" / "chat_template.jinja").read_text()
-NO_SYSTEM = CHATML.replace("{% for message in messages %}",
-                           "{% for message in messages if message['role'] != 'system' %}")
-assert NO_SYSTEM != CHATML
 
 
 @pytest.fixture(scope="module")
@@ -55,72 +51,7 @@ def variants(model, tmp_path_factory) -> dict[str, Path]:
     good = out / "correct.gguf"
     r = invoke("export", "gguf", str(model), str(good), "--dtype", "f32", "--no-check", "--quiet")
     assert r.exit_code == 0, r.stderr
-    meta, tensors = read_gguf_file(good)
-    arch = meta["general.architecture"][1]
-
-    def variant(name: str, meta_edit=None, tensor_edit=None) -> Path:
-        m = {k: (t, list(v) if isinstance(v, list) else v) for k, (t, v) in meta.items()}
-        ts = list(tensors)
-        if meta_edit:
-            meta_edit(m)
-        if tensor_edit:
-            ts = [tensor_edit(t) for t in ts]
-        path = out / f"{name}.gguf"
-        write_gguf_file(path, m, ts)
-        return path
-
-    def rope(m):
-        kind, base = m[f"{arch}.rope.freq_base"]
-        m[f"{arch}.rope.freq_base"] = (kind, base * 1.001)
-
-    def template(m):
-        m["tokenizer.chat_template"] = (m["tokenizer.chat_template"][0], NO_SYSTEM)
-
-    def layer(t):
-        name, shape, kind, raw = t
-        if name != "blk.1.ffn_down.weight":
-            return t
-        w = np.frombuffer(raw, dtype=np.float32)
-        noise = np.random.default_rng(0).standard_normal(w.shape).astype(np.float32)
-        return name, shape, kind, (w * (1 + 0.02 * noise)).astype(np.float32).tobytes()
-
-    tok = Tokenizer(model)
-    used = {tok.token_bytes(i).decode("utf-8", "replace") for p in DEFAULT_PROMPTS for i in tok.encode(p)}
-
-    def merge(m):
-        kind, merges = m["tokenizer.ggml.merges"]
-        # the first merge that makes a token of the default prompts: a server without it splits them otherwise
-        drop = next(mg for mg in merges if _joined(mg) in {_byte_level(u) for u in used if len(u) > 2})
-        m["tokenizer.ggml.merges"] = (kind, [mg for mg in merges if mg != drop])
-
-    return {"correct": good, "rope base": variant("rope", rope), "chat template": variant("template", template),
-            "one layer": variant("layer", tensor_edit=layer), "tokenizer merge": variant("merge", merge)}
-
-
-def _joined(merge: str) -> str:
-    return merge.replace(" ", "", 1)
-
-
-def _byte_level(text: str) -> str:
-    """GPT-2's byte-level spelling of `text`, as a GGUF's merges write pieces."""
-    table = _bytes_to_unicode()
-    return "".join(table[b] for b in text.encode())
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    table, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + n)
-            n += 1
-    return table
-
-
-EXPECTED = {"rope base": "logits", "chat template": "chat template", "one layer": "logits",
-            "tokenizer merge": "tokenizer"}
+    return {"correct": good, **broken_servers.make(model, good, out, list(DEFAULT_PROMPTS))}
 
 
 def test_a_correct_linnet_server_passes(model, variants):

@@ -57,7 +57,8 @@ def bench_command(
     max_slowdown: Annotated[str, typer.Option(
         "--max-slowdown", help="--baseline: the slowdown allowed, as a percentage (5%) or a fraction (0.05).")] = "5%",
     other_machine: Annotated[bool, typer.Option(
-        "--other-machine", help="--baseline from another machine: compare, with a warning (default: refused).")] = False,
+        "--other-machine",
+        help="--baseline from another machine: compare, with a warning (default: refused).")] = False,
     serving: Annotated[bool, typer.Option("--serving", help="Measure serving many requests at once instead: "
                                           "`linnet bench-serving`, whose options this command takes too.")] = False,
     requests: HIDDEN.Requests = 256,
@@ -160,7 +161,8 @@ def _baseline(path: Path, max_slowdown: str) -> tuple[dict, float]:
     try:
         bound = float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
-        raise InputError(f"--max-slowdown must be a percentage (5%) or a fraction (0.05), got '{max_slowdown}'") from None
+        raise InputError(f"--max-slowdown must be a percentage (5%) or a fraction (0.05), "
+                         f"got '{max_slowdown}'") from None
     if not 0 <= bound < 1:
         raise InputError(f"--max-slowdown must be from 0% to below 100%, got '{max_slowdown}'")
     return read_saved(path, "sides", "linnet bench"), bound

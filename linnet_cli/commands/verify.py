@@ -56,12 +56,14 @@ def verify_command(
     new_tokens: Annotated[int, typer.Option("--new-tokens", min=1, help="--url: greedy tokens asked per prompt.")] = 16,
     top_logprobs: Annotated[int, typer.Option(
         "--top-logprobs", min=1, max=20, help="--url: alternatives asked per position (top-k overlap, KLD).")] = 5,
-    timeout: Annotated[float, typer.Option("--timeout", min=0.1, help="--url: seconds to wait for each answer.")] = 120.0,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", min=0.1, help="--url: seconds to wait for each answer.")] = 120.0,
     baseline: Annotated[Optional[Path], typer.Option(
         "--baseline", help="--url: a saved --json run of the same model and dtype: exit 3 when the server's "
                            "logprobs moved beyond the tolerance since.", show_default=False)] = None,
     other_machine: Annotated[bool, typer.Option(
-        "--other-machine", help="--baseline from another machine: compare, with a warning (default: refused).")] = False,
+        "--other-machine",
+        help="--baseline from another machine: compare, with a warning (default: refused).")] = False,
     save: Annotated[Optional[Path], typer.Option("--save", help="Also write the --json document to this file "
                                                  "(with --url: the --baseline of a later run).",
                                                  show_default=False)] = None,
@@ -150,13 +152,14 @@ def _describe(r) -> str:
                  f"({tk['checked'] or 'not checked'})"
                  + "".join(f"\n         {escape(f)}" for f in tk["findings"]))
     lines.append(f"  {'[green]ok[/]  ' if tp['passed'] else '[red]FAIL[/]'} chat template "
-                 f"({tp['checked'] or 'not checked'})" + (f"\n         {escape(tp['finding'])}" if tp["finding"] else ""))
+                 f"({tp['checked'] or 'not checked'})"
+                 + (f"\n         {escape(tp['finding'])}" if tp["finding"] else ""))
     for m in r.missing:
         lines.append(f"  [yellow]note[/] {escape(m)}")
     if r.baseline is not None:
         b = r.baseline
-        lines.append(f"  {'[green]ok[/]  ' if b['passed'] else '[red]FAIL[/]'} against the baseline {escape(b['file'])}: "
-                     + escape(b["summary"]))
+        lines.append(f"  {'[green]ok[/]  ' if b['passed'] else '[red]FAIL[/]'} against the baseline "
+                     f"{escape(b['file'])}: " + escape(b["summary"]))
     verdict = "[bold green]PASS[/]" if r.passed else "[bold red]FAIL[/]: " + ", ".join(
         r.diagnosis + (["drift from the baseline"] if r.baseline and not r.baseline["passed"] else []))
     lines.append(f"{verdict} ({r.seconds:.1f} s)")

@@ -27,7 +27,8 @@ def read_saved(path: Path, key: str, made_by: str) -> dict:
     except (ValueError, UnicodeDecodeError):
         raise InputError(f"--baseline {path}: not JSON") from None
     if not isinstance(doc, dict) or not isinstance(doc.get(key), list) or not isinstance(doc.get("environment"), dict):
-        raise InputError(f"--baseline {path}: not a saved run of `{made_by} --json`", hint=f"save one with {made_by} --save FILE")
+        raise InputError(f"--baseline {path}: not a saved run of `{made_by} --json`",
+                         hint=f"save one with {made_by} --save FILE")
     return doc
 
 
@@ -114,7 +115,8 @@ def verify_gate(report, old: dict, path: Path, other_machine: bool, warn) -> dic
     token either run chose differently (a near tie may flip: it is reported, not failed)."""
     for field in ("model", "dtype"):
         if old.get(field) != getattr(report, field):
-            raise InputError(f"--baseline {path} checked {field} {old.get(field)!r}, this run {getattr(report, field)!r}")
+            raise InputError(f"--baseline {path} checked {field} {old.get(field)!r}, "
+                             f"this run {getattr(report, field)!r}")
     same = check_machine(old["environment"], report.environment, path, other_machine, warn)
     olds = {(c.get("name"), c.get("prompt_tokens")): c for c in old["comparisons"] if isinstance(c, dict)}
     worst, flips, unmatched, passed = 0.0, [], 0, True

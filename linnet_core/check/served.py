@@ -42,7 +42,8 @@ from .verify import LLAMACPP_ACTIVATIONS
 # far enough out that a wrong rope base shows.
 DEFAULT_PROMPTS = (
     DEFAULT_PROMPT,
-    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\nprint([fib(i) for i in range(10)])  # 0, 1, 1, 2,",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\n"
+    "print([fib(i) for i in range(10)])  # 0, 1, 1, 2,",
     "Ça coûte 12,50 € — naïve café, Straße, 東京 and 🙂; in 1984, 3.14159 × 42 =",
     UNSEEN_TEXT.read_text()[:640].rsplit(" ", 1)[0],
 )
@@ -190,7 +191,7 @@ def verify_server(model: str | Path | None, url: str, dtype: str = "auto", api_k
         served_model = str(listed[0]["id"])
     owned_by = next((str(e.get("owned_by", "")) for e in listed or [] if isinstance(e, dict)
                      and e.get("id") == served_model), "")
-    asker = Asker(client, served_model, owned_by, tok, new_tokens, top_logprobs)
+    asker = Asker(client, served_model, owned_by, tok, m.spec.vocab_size, new_tokens, top_logprobs)
     found = asker.found
 
     # 1. Ask the server everything first; the reference then runs once over what it answered.
@@ -265,8 +266,8 @@ def against_reference(asked: list[Asked], ref: Reference, bounds: Bounds, new_to
                 continue
             known = []
             for s in a.generated:
-                if s.id is None:
-                    break
+                if s.id is None or not 0 <= s.id < ref.m.spec.vocab_size:
+                    break  # compare() says which, and why the positions after it are not compared
                 known.append(s.id)
             logits = ref.logits(a.prompt + known[:-1] if known else a.prompt)
             bounds.see(logits)

@@ -42,8 +42,10 @@ def first_difference(a, b) -> int:
 
 
 class Asker:
-    def __init__(self, client: Client, served_model: str, owned_by: str, tok: Tokenizer, new_tokens: int, k: int):
+    def __init__(self, client: Client, served_model: str, owned_by: str, tok: Tokenizer, vocab_size: int,
+                 new_tokens: int, k: int):
         self.client, self.model, self.tok, self.new_tokens, self.k = client, served_model, tok, new_tokens, k
+        self.vocab_size = vocab_size
         self.ids_of = TokenIds(tok)
         self.vllm, self.llamacpp = owned_by == "vllm", owned_by == "llamacpp"
         self.ids_field = owned_by in ("vllm", "linnet")  # they take return_tokens_as_token_ids
@@ -106,7 +108,7 @@ class Asker:
         if n_prompt:
             asked.scored_prompt, asked.generated = scored[:n_prompt], scored[n_prompt:]
             echoed = [s.id for s in asked.scored_prompt]
-            if None not in echoed and self._tokenize_ok is not True:
+            if None not in echoed and self._tokenize_ok is not True and self.in_vocabulary(echoed, "echo"):
                 asked.prompt = echoed  # the echoed tokens are the server's own split of the prompt
             caps["prompt_logprobs"] = "echo"
         elif (scored_prompt := read_prompt_logprobs(choice, prompt, self.k)) is not None:
@@ -177,15 +179,27 @@ class Asker:
         ids = out.get("tokens") if isinstance(out, dict) else [t.get("id") if isinstance(t, dict) else None
                                                                for t in out] if out else None
         self._tokenize_ok = isinstance(ids, list) and all(isinstance(i, int) for i in ids)
-        return ids if self._tokenize_ok else None
+        return self.in_vocabulary(ids, "/tokenize") if self._tokenize_ok else None
+
+    def in_vocabulary(self, ids: list[int], where: str) -> list[int] | None:
+        """`ids`, or None (with a tokenizer finding) when some are not in the model's vocabulary: the
+        reference cannot run on them."""
+        outside = sorted({i for i in ids if not 0 <= i < self.vocab_size})
+        if not outside:
+            return ids
+        self._tokenizer_finding(f"{where} gives token ids {', '.join(map(str, outside[:5]))}, outside the model's "
+                                f"vocabulary of {self.vocab_size}")
+        return None
 
     def chat_rendering(self, messages: list[dict]) -> tuple[str, list[int] | str] | None:
         """The server's own chat prompt: ids from /tokenize with messages (vLLM, Linnet), or the text
         from /apply-template (llama-server)."""
         out = self.client.optional("/tokenize", {"model": self.model, "messages": messages,
                                                  "add_generation_prompt": True})
-        if out and isinstance(out.get("tokens"), list) and out["tokens"]:
-            return "/tokenize with messages", out["tokens"]
+        ids = out.get("tokens") if out else None
+        if isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids):
+            ids = self.in_vocabulary(ids, "/tokenize with messages")
+            return ("/tokenize with messages", ids) if ids is not None else None
         out = self.client.optional("/apply-template", {"messages": messages})
         if out and isinstance(out.get("prompt"), str):
             return "/apply-template", out["prompt"]

@@ -6,6 +6,7 @@ against the claimed dtype's tolerance.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,7 +26,7 @@ class Comparison:
     tokens: list[int | None]  # the server's greedy tokens (None: not identified)
     compared: int  # positions compared: the generated ones, then any prompt positions it scored
     agreement: int  # generated tokens that match the reference's first choice before the first that does not
-    decisive_divergence: int | None  # first generated position where the server's token is clearly not the reference's first
+    decisive_divergence: int | None  # first position where the server's token is clearly not the reference's first
     max_dlogprob: float | None  # chosen tokens
     max_dlogprob_top: float | None  # the alternatives the server listed
     top_overlap: float | None  # mean share of the server's top-k that is the reference's top-k
@@ -66,10 +67,14 @@ def compare(name: str, kind: str, prompt: list[int], generated: list[Scored], sc
     """The server's tokens against the reference's log-probabilities `logp` [T, V] over prompt +
     generated (teacher-forced on the server's own tokens)."""
     tol = bounds.logprob
-    chosen, listed, overlaps, klds = [], [], [], []
-    agreement, diverged, decisive = 0, False, None
+    chosen, listed, overlaps, klds, not_finite = [], [], [], [], []
+    agreement, diverged, decisive, outside = 0, False, None, None
 
     def position(row: np.ndarray, s: Scored) -> None:
+        values = [v for v in (s.logprob, *(lp for _, lp in s.top[:k])) if v is not None]
+        if not all(math.isfinite(v) for v in values):  # NaN passes every comparison: counted, not compared
+            not_finite.append(s)
+            return
         if s.id is not None and s.logprob is not None:
             chosen.append(abs(s.logprob - row[s.id]))
         named = [(i, lp) for i, lp in s.top[:k] if i is not None and 0 <= i < len(row)]
@@ -87,6 +92,9 @@ def compare(name: str, kind: str, prompt: list[int], generated: list[Scored], sc
         row = logp[len(prompt) - 1 + j]
         if s.id is None:
             break  # a token not identified: the positions after it have no known context
+        if not 0 <= s.id < len(row):
+            outside = s.id
+            break
         position(row, s)
         best = int(row.argmax())
         if s.id != best:
@@ -112,6 +120,10 @@ def compare(name: str, kind: str, prompt: list[int], generated: list[Scored], sc
     if decisive is not None:
         problems.append(f"greedy token {decisive + 1} is not the reference's first choice, which leads it by "
                         f"more than the tolerance")
+    if not_finite:
+        problems.append(f"{len(not_finite)} positions carry logprobs that are not finite numbers")
+    if outside is not None:
+        problems.append(f"the server answered token {outside}, outside the model's vocabulary of {logp.shape[1]}")
     if generated and generated[0].id is None:
         problems.append("the server's tokens could not be identified in the model's vocabulary")
     c.passed, c.finding = not problems, "; ".join(problems) or None

@@ -53,7 +53,9 @@ def server_root(url: str) -> str:
 class Client:
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 120.0):
         self.root, self.timeout = server_root(url), timeout
-        self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
 
     def get(self, path: str) -> dict:
         return self._call(urllib.request.Request(self.root + path, headers=self.headers))
