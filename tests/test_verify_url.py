@@ -299,3 +299,19 @@ def test_prompts_files_and_a_prompt_past_the_servers_context(model, tmp_path):
 def test_server_options_without_url_are_refused(model):
     r = invoke("verify", str(model), "--prompts", "p.txt")
     assert_one_line_error(r, contains="--prompts is for checking a server: give --url too")
+
+
+@pytest.mark.parametrize("entry,says", [
+    ('{"id": 99999, "token": "x", "logprob": -1.0, "top_logprobs": []}', "outside the model's vocabulary"),
+    ('{"id": 5, "token": "x", "logprob": NaN, "top_logprobs": [{"id": 5, "logprob": NaN}]}', "not finite"),
+])
+def test_answers_no_model_could_give_fail_without_a_traceback(model, entry, says):
+    reply = ('{"choices": [{"index": 0, "text": "x", "finish_reason": "length", "logprobs": {"content": [%s]}}], '
+             '"usage": {"prompt_tokens": 3, "completion_tokens": 1}}' % entry).encode()
+    server, url = _fake(reply)
+    try:
+        r = invoke("verify", str(model), "--url", url)
+    finally:
+        server.shutdown()
+    assert r.exit_code == 3 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert says in r.stdout
