@@ -152,6 +152,19 @@ def test_completion_logprobs_have_the_legacy_shape_streamed_or_not(served):
     assert streamed == pytest.approx(lp["token_logprobs"], abs=1e-6)
 
 
+def test_tokens_named_by_id_as_vllm_does(served):
+    url, alone, tok, _ = served
+    ids = list(Generation(alone, tok.encode("Hello there"), 4))
+    status, body = post(url, "completions", prompt="Hello there", max_tokens=4, temperature=0, ignore_eos=True,
+                        logprobs=2, return_tokens_as_token_ids=True)
+    assert status == 200 and body["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
+    status, body = post(url, "chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                        temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert status == 200 and all(e["token"].startswith("token_id:") for e in content)
+    assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
+
+
 def test_n_choices_are_seeded_streams_and_best_of_keeps_the_likeliest(served):
     url, alone, tok, _ = served
     req = dict(prompt="Once upon", max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
@@ -223,6 +236,7 @@ def test_logit_bias_and_penalties_per_row_in_a_batched_step(served):
     (dict(min_p=1.5), "min_p"),
     (dict(stream_options={"include_usage": True}), "stream_options"),
     (dict(stream=True, stream_options={"include_usage": "yes"}), "stream_options"),
+    (dict(return_tokens_as_token_ids="yes"), "return_tokens_as_token_ids"),
 ])
 def test_bad_sampling_fields_are_one_400_naming_the_field(served, body, param):
     url, *_ = served
