@@ -84,15 +84,15 @@ class Asker:
         body = {"model": self.model, "prompt": text, "max_tokens": self.new_tokens, "temperature": 0,
                 "logprobs": self.k, **({"return_tokens_as_token_ids": True} if self.ids_field else {}),
                 **({"prompt_logprobs": self.k} if self.vllm else {})}
-        answer = None
-        if self._echo is not False:
+        if self._echo is False:
+            answer = self.client.post("/v1/completions", body)
+        else:
             try:
                 answer = self.client.post("/v1/completions", {**body, "echo": True})
                 self._echo = True
             except Refused:
+                answer = self.client.post("/v1/completions", body)  # refused too: the prompt, not echo
                 self._echo = False
-        if answer is None:
-            answer = self.client.post("/v1/completions", body)
         usage = answer.get("usage") or {}
         choice = first_choice(answer, f"{self.client.root}/v1/completions")
         scored = self._generated(choice)
@@ -115,9 +115,10 @@ class Asker:
             asked.scored_prompt, caps["prompt_logprobs"] = scored_prompt, "prompt_logprobs"
         return asked, usage.get("prompt_tokens")
 
-    def llamacpp_completion(self, text: str) -> list[Scored] | None:
-        """llama-server's /completion with `return_tokens` and `n_probs`; None where it does not answer so."""
-        answer = self.client.optional("/completion", {"prompt": text, "n_predict": self.new_tokens, "temperature": 0,
+    def llamacpp_completion(self, prompt: str | list[int]) -> list[Scored] | None:
+        """llama-server's /completion (a text, or ids taken as they are) with `return_tokens` and
+        `n_probs`; None where it does not answer so."""
+        answer = self.client.optional("/completion", {"prompt": prompt, "n_predict": self.new_tokens, "temperature": 0,
                                                       "n_probs": self.k, "return_tokens": True, "cache_prompt": False})
         scored = read_llamacpp_native(answer) if answer else None
         if scored is not None:
@@ -144,13 +145,11 @@ class Asker:
         answer = self.client.post("/v1/chat/completions", body)
         used = (answer.get("usage") or {}).get("prompt_tokens")
         generated = self._generated(first_choice(answer, f"{self.client.root}/v1/chat/completions"))
-        if self.llamacpp and rendered and isinstance(rendered[1], str):  # every token named: its own endpoint
-            generated = self.llamacpp_completion(rendered[1]) or generated
         template["checked"] = template["checked"] or (rendered[0] if rendered else "prompt counts in usage"
                                                       if isinstance(used, int) else "the answers' logprobs")
         theirs, finding = None, None  # the server's own tokens for the conversation, where it tells them
         if rendered:
-            theirs = self.tokenize(rendered[1]) if isinstance(rendered[1], str) else rendered[1]
+            theirs = self.tokenize(rendered[1], add_special=False) if isinstance(rendered[1], str) else rendered[1]
             said = rendered[1] if isinstance(rendered[1], str) else self.tok.decode(theirs, skip_special_tokens=False)
             if said != text:
                 i = first_difference(said, text)
@@ -164,18 +163,21 @@ class Asker:
                        f"renders {len(mine)}")
         if finding:
             template["passed"], template["finding"] = False, finding
+        if self.llamacpp and rendered and isinstance(rendered[1], str):  # every token named: its own endpoint,
+            generated = self.llamacpp_completion(theirs or rendered[1]) or generated  # on the chat's own ids
         return Asked(name, "chat", theirs or mine, generated)
 
     # -- what the server offers ---------------------------------------------------------------------
 
-    def tokenize(self, text: str) -> list[int] | None:
+    def tokenize(self, text: str, add_special: bool = True) -> list[int] | None:
+        """The server's ids for `text`; `add_special` False for a rendered chat, which holds its own BOS."""
         if self._tokenize_ok is False:
             return None
         # "prompt" for vLLM, SGLang and Linnet; "content" and "add_special" for llama-server; "inputs"
         # for TGI, which answers a list of {id, text, start, stop}
         out = self.client.optional("/tokenize", {"model": self.model, "prompt": text, "content": text,
-                                                 "inputs": text, "add_special_tokens": True, "add_special": True},
-                                   shapes=(dict, list))
+                                                 "inputs": text, "add_special_tokens": add_special,
+                                                 "add_special": add_special}, shapes=(dict, list))
         ids = out.get("tokens") if isinstance(out, dict) else [t.get("id") if isinstance(t, dict) else None
                                                                for t in out] if out else None
         self._tokenize_ok = isinstance(ids, list) and all(isinstance(i, int) for i in ids)
