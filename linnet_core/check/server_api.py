@@ -78,7 +78,9 @@ class Client:
             if isinstance(reason, (TimeoutError, socket.timeout)):
                 raise ServerFailed(f"{where} did not answer within {self.timeout:g} s",
                                    hint="--timeout gives a slow server longer") from None
-            raise ServerFailed(f"cannot reach {where}: {reason}") from None
+            raise ServerFailed(f"cannot reach {where}: {reason}",
+                               hint="is the server running and listening there? (--url takes http://host:port/v1)"
+                               ) from None
         try:
             out = json.loads(raw)
         except ValueError:
