@@ -119,7 +119,7 @@ def verify_gate(report, old: dict, path: Path, other_machine: bool, warn) -> dic
                              f"this run {getattr(report, field)!r}")
     same = check_machine(old["environment"], report.environment, path, other_machine, warn)
     olds = {(c.get("name"), c.get("prompt_tokens")): c for c in old["comparisons"] if isinstance(c, dict)}
-    worst, flips, unmatched, passed = 0.0, [], 0, True
+    worst, flips, unmatched = 0.0, [], 0
     for c in report.comparisons:
         before = olds.get((c.name, c.prompt_tokens))
         if before is None:
@@ -127,11 +127,11 @@ def verify_gate(report, old: dict, path: Path, other_machine: bool, warn) -> dic
             continue
         for j, (t0, t1, l0, l1) in enumerate(zip(before.get("tokens") or [], c.tokens, before.get("logprobs") or [],
                                                  c.logprobs)):
-            if isinstance(l0, (int, float)) and isinstance(l1, (int, float)):
-                worst = max(worst, abs(l1 - l0))
-            if t0 != t1:
+            if t0 != t1:  # another token: its logprob is another token's, not a moved one
                 flips.append(f"{c.name} token {j + 1}")
                 break
+            if isinstance(l0, (int, float)) and isinstance(l1, (int, float)):
+                worst = max(worst, abs(l1 - l0))
     passed = worst <= report.tolerance
     summary = (f"the server's logprobs moved at most {worst:.3g} (tolerance {report.tolerance:.3g})"
                + (f"; greedy tokens changed at {', '.join(flips)}" if flips else "; the same greedy tokens")
