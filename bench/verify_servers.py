@@ -5,12 +5,14 @@ and llama-server side by side, each with the diagnosis it got (docs/verify-serve
     python bench/verify_servers.py /tmp/qwen3-191m --work /tmp/verify-servers [--servers linnet,llama-server]
 
 The broken variants are made from Linnet's float32 GGUF of the model by tests/broken_servers.py;
-llama-server runs with float32 keys and values (-ctk f32 -ctv f32), so both are float32 claims.
+llama-server runs with float32 attention (-ctk f32 -ctv f32 -fa off), so both are float32 claims.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,16 +22,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def serve(kind: str, gguf: Path, port: int, log: Path) -> subprocess.Popen:
+def serve(kind: str, gguf: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """The server on `gguf`, ready; (its process, its URL)."""
+    from server_fixtures import wait_healthy
+
     from linnet_core.bench import llama_server
+    from linnet_core.serve import free_port
 
     if kind == "llama-server":
-        cmd = [str(llama_server.require()), "-m", str(gguf), "--port", str(port), "-c", "2048", "-np", "1",
-               "-t", "2", "-ctk", "f32", "-ctv", "f32", "-fa", "off", "--no-webui"]
-    else:
-        cmd = [sys.executable, "-m", "linnet_cli", "serve", str(gguf), "--dtype", "float32", "--port", str(port),
-               "--cache-len", "1024", "--rows", "2"]
-    return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+        proc, url, _ = llama_server.start(llama_server.require(), gguf, 1, 2048, 2, log,
+                                          flags=llama_server.FLOAT32_ATTENTION)
+        return proc, url
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "linnet_cli", "serve", str(gguf), "--dtype", "float32", "--port",
+                             str(port), "--cache-len", "1024", "--rows", "2"], stdout=open(log, "wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    if not wait_healthy(f"http://127.0.0.1:{port}", 600):
+        raise SystemExit(f"linnet serve on {gguf} did not start: see {log}")
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def main() -> None:
@@ -40,10 +50,8 @@ def main() -> None:
     args = ap.parse_args()
 
     import broken_servers
-    from server_fixtures import wait_healthy
 
     from linnet_core.check.served import DEFAULT_PROMPTS, verify_server
-    from linnet_core.serve import free_port
 
     args.work.mkdir(parents=True, exist_ok=True)
     good = args.work / "correct.gguf"
@@ -55,16 +63,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for kind in args.servers.split(","):
         for name, gguf in variants.items():
-            port = free_port()
-            proc = serve(kind, gguf, port, args.work / f"{kind}-{gguf.stem}.log")
+            proc, url = serve(kind, gguf, args.work / f"{kind}-{gguf.stem}.log")
             try:
-                if not wait_healthy(f"http://127.0.0.1:{port}", 600):
-                    raise SystemExit(f"{kind} on {gguf} did not start: see {args.work}")
                 t = time.perf_counter()
-                r = verify_server(args.model, f"http://127.0.0.1:{port}/v1", dtype="float32")
+                r = verify_server(args.model, f"{url}/v1", dtype="float32")
                 took = time.perf_counter() - t
             finally:
-                proc.terminate()
+                os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(60)
             worst = max((c.max_dlogprob or 0.0) for c in r.comparisons if c.kind == "completion")
             print(f"| {kind} | {name} | {broken_servers.EXPECTED.get(name, 'PASS')} | "

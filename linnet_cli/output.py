@@ -120,3 +120,10 @@ def check_output_files(*paths: Path | None) -> None:
             raise InputError(f"cannot write {path}: {e.strerror}") from None
         if path.is_dir():
             raise InputError(f"{path} is a folder; give the name of the file to write")
+
+
+def write_json(sink: Sink, path: Path | None, doc: dict) -> None:
+    """--save: the --json document to `path` too (checked writable at the start by check_output_files)."""
+    if path is not None:
+        path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        sink.info(f"wrote {path}")

@@ -25,7 +25,7 @@ def _token_text(value: Any) -> str | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _byte_level_alphabet() -> dict[str, int]:
+def byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet, character -> byte (the inverse of its bytes_to_unicode)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
                  *range(ord("\u00ae"), ord("\u00ff") + 1)]
@@ -150,7 +150,7 @@ class Tokenizer:
         if not isinstance(piece, str):
             return b""
         if self._byte_level:
-            alphabet = _byte_level_alphabet()
+            alphabet = byte_level_alphabet()
             if all(c in alphabet for c in piece):
                 return bytes(alphabet[c] for c in piece)
             return piece.encode()  # an added token kept as written

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from gguf_corpus import read, write
 
-from linnet_core.tokenizer import Tokenizer
+from linnet_core.tokenizer import Tokenizer, byte_level_alphabet
 
 EXPECTED = {"rope base": "logits", "chat template": "chat template", "one layer": "logits",
             "tokenizer merge": "tokenizer"}
@@ -76,15 +76,8 @@ def make(model: Path, good: Path, out: Path, texts: list[str]) -> dict[str, Path
 
 def _byte_level(raw: bytes) -> str:
     """GPT-2's byte-level spelling of `raw`, as a GGUF's merges write pieces."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + n)
-            n += 1
-    return "".join(table[b] for b in raw)
+    spelled = {b: c for c, b in byte_level_alphabet().items()}
+    return "".join(spelled[b] for b in raw)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,20 @@ def app_in_thread(app, **options):
         thread.join(timeout=30)
 
 
+def built_llama_server() -> str | None:
+    """llama-server where this machine has one: on PATH, LINNET_LLAMA_SERVER, or built under the
+    user's own cache (the tests point LINNET_CACHE elsewhere)."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    from linnet_core.bench import llama_server
+
+    built = llama_server.built_path(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "linnet")
+    return os.environ.get("LINNET_LLAMA_SERVER") or shutil.which("llama-server") or (
+        str(built) if built.exists() else None)
+
+
 def wait_healthy(url: str, seconds: float = 120) -> bool:
     """Whether `url`/health answered 200 within `seconds` (a server process starting up)."""
     deadline = time.time() + seconds

@@ -4,7 +4,6 @@ something else, a request that fails and why; llama-server as a target when its 
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 from test_cli import assert_one_line_error, invoke
@@ -16,7 +15,7 @@ from linnet_core.bench.serving.result import summarize
 from linnet_core.bench.serving.workload import Workload
 from linnet_core.errors import InputError
 
-from server_fixtures import app_in_thread
+from server_fixtures import app_in_thread, built_llama_server
 
 BROKEN = 13  # a prompt starting with this token gets an error event after two tokens
 
@@ -126,21 +125,10 @@ def test_llama_server_missing_is_the_reason_and_the_command(tokenized_checkpoint
         llama_server.find()
 
 
-def _built_llama_server():
-    """llama-server where this machine has one: on PATH, LINNET_LLAMA_SERVER, or built under the
-    user's own cache (the tests point LINNET_CACHE elsewhere)."""
-    import os
-    from pathlib import Path
-
-    built = llama_server.built_path(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "linnet")
-    return os.environ.get("LINNET_LLAMA_SERVER") or shutil.which("llama-server") or (
-        str(built) if built.exists() else None)
-
-
-@pytest.mark.skipif(_built_llama_server() is None,
+@pytest.mark.skipif(built_llama_server() is None,
                     reason="no llama-server here (linnet bench --serving --target llama-server --build-llama-server)")
 def test_llama_server_serves_the_same_requests_beside_linnet(tokenized_checkpoints, monkeypatch, tmp_path):
-    monkeypatch.setenv("LINNET_LLAMA_SERVER", _built_llama_server())
+    monkeypatch.setenv("LINNET_LLAMA_SERVER", built_llama_server())
     out = tmp_path / "serving.json"
     r = invoke("bench", tokenized_checkpoints["qwen2-bias-tied"], "--serving", "--target", "http,llama-server",
                "--requests", "6", "--prompt-range", "4-12", "--new-tokens", "5", "--concurrency", "3", "--rows", "3",

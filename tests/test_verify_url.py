@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -17,7 +17,7 @@ import pytest
 from family_fixtures import CASES, TOKENIZED_VOCAB, make_checkpoint
 import broken_servers
 from broken_servers import EXPECTED
-from server_fixtures import app_in_thread, served_checkpoint, wait_healthy
+from server_fixtures import app_in_thread, built_llama_server, served_checkpoint
 from test_cli import assert_one_line_error, invoke
 from tokenizer_fixtures import write_tokenizer
 
@@ -73,31 +73,18 @@ def test_each_broken_linnet_server_fails_where_it_is_broken(model, variants, bro
                                                [c.finding for c in r.comparisons])
 
 
-def _llama_server() -> str | None:
-    built = llama_server.built_path(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "linnet")
-    return os.environ.get("LINNET_LLAMA_SERVER") or shutil.which("llama-server") or (
-        str(built) if built.exists() else None)
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_llama_server() is None,
+@pytest.mark.skipif(built_llama_server() is None,
                     reason="no llama-server here (linnet bench --serving --target llama-server --build-llama-server)")
 @pytest.mark.parametrize("variant", ["correct", *EXPECTED])
 def test_llama_server_passes_correct_and_fails_each_broken_variant(model, variants, variant, tmp_path):
-    import subprocess
-
-    from linnet_core.serve import free_port
-
-    port = free_port()
-    # float32 keys and values: llama-server's default float16 cache would be a float16 claim
-    proc = subprocess.Popen([_llama_server(), "-m", str(variants[variant]), "--port", str(port), "-c", "1024",
-                             "-np", "1", "-t", "2", "-ctk", "f32", "-ctv", "f32", "-fa", "off", "--no-webui"],
-                            stdout=open(tmp_path / "log", "wb"), stderr=subprocess.STDOUT)
+    # float32 attention: llama-server's defaults would be a float16 claim
+    proc, url, _ = llama_server.start(Path(built_llama_server()), variants[variant], 1, 1024, 2, tmp_path / "log",
+                                      timeout=120, flags=llama_server.FLOAT32_ATTENTION)
     try:
-        assert wait_healthy(f"http://127.0.0.1:{port}", 120), (tmp_path / "log").read_text()[-2000:]
-        r = verify_server(model, f"http://127.0.0.1:{port}/v1", dtype="float32")
+        r = verify_server(model, url + "/v1", dtype="float32")
     finally:
-        proc.terminate()
+        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
     if variant == "correct":
         assert r.passed, [c.finding for c in r.comparisons] + r.diagnosis

@@ -16,7 +16,7 @@ from linnet_core.errors import InputError
 from linnet_core.serve.config import ServeConfig
 
 from ..options import DtypeOpt, JsonOpt, OptionalModelArg, QuietOpt, name_list
-from ..output import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, Sink, check_output_files, handle_errors
+from ..output import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, Sink, check_output_files, handle_errors, write_json
 from .bench_serving import HIDDEN, run_serving
 
 
@@ -126,11 +126,7 @@ def bench_command(
         command = "linnet " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         html.write_text(render(result, command), encoding="utf-8")
         sink.info(f"wrote {html}")
-    if save is not None:
-        import json as jsonlib
-
-        save.write_text(jsonlib.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        sink.info(f"wrote {save}")
+    write_json(sink, save, doc)
     if json:
         sink.data("", doc)
     elif markdown:

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import json as jsonlib
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,7 +31,7 @@ from ..options import (
     QuietOpt,
     name_list,
 )
-from ..output import Sink, check_output_files, handle_errors
+from ..output import Sink, check_output_files, handle_errors, write_json
 
 TARGET_NAMES = ("sequential", "engine", "http", "http-no-prefix-cache", "llama-server", "triton")
 DEFAULT_TARGETS = ("sequential", "engine", "http")
@@ -152,8 +151,7 @@ def run_serving(sink: Sink, config: ServeConfig, new_tokens: int, requests: int,
 def _show(sink: Sink, result, html: Path | None, save: Path | None, markdown: bool) -> None:
     from linnet_core.bench.page import render_serving  # imports torch: not at start-up
 
-    if save is not None:
-        save.write_text(jsonlib.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+    write_json(sink, save, result.to_json())
     if html is not None:
         html.write_text(render_serving(result), encoding="utf-8")
         sink.info(f"wrote {html}")

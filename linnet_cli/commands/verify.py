@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json as jsonlib
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -24,7 +23,7 @@ from ..options import (
     QuietOpt,
     RevisionOpt,
 )
-from ..output import EXIT_CHECK_FAILED, Sink, check_output_files, handle_errors
+from ..output import EXIT_CHECK_FAILED, Sink, check_output_files, handle_errors, write_json
 
 # No default value: a backend is verified in float32, a server in the dtype of the model it was given.
 VerifyDtypeOpt = Annotated[Optional[str], typer.Option(
@@ -74,13 +73,13 @@ def verify_command(
     """Compare a backend with transformers (eager) on the same tokens (a .gguf file: with llama.cpp on
     the file), or with --url a running server; exit 3 past the tolerance."""
     sink = Sink(json, quiet)
+    check_output_files(save)
     if url is not None:
         return _verify_url(sink, model, url, dtype, api_key, served_model_name, prompts, new_tokens, top_logprobs,
                            timeout, baseline, other_machine, save, revision)
     for given, flag in ((baseline, "--baseline"), (prompts, "--prompts"), (served_model_name, "--served-model-name")):
         if given is not None:
             raise InputError(f"{flag} is for checking a server: give --url too")
-    check_output_files(save)
     # The core (and torch) load here, not at CLI start-up, so --help and completion stay fast.
     from linnet_core.check.verify import verify  # imports torch: not at start-up
 
@@ -101,22 +100,15 @@ def verify_command(
         + (f"\n  quantization's own effect, {QuantEffect(**r.quantization).describe()}" if r.quantization else ""),
         r.to_json(),
     )
-    _save(sink, save, r.to_json())
+    write_json(sink, save, r.to_json())
     if not r.passed:
         raise typer.Exit(EXIT_CHECK_FAILED)
-
-
-def _save(sink: Sink, path: Path | None, doc: dict) -> None:
-    if path is not None:
-        path.write_text(jsonlib.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        sink.info(f"wrote {path}")
 
 
 def _verify_url(sink: Sink, model, url, dtype, api_key, served_model_name, prompts, new_tokens, top_logprobs,
                 timeout, baseline, other_machine, save, revision) -> None:
     from linnet_core.check.served import verify_server  # imports torch: not at start-up
 
-    check_output_files(save)
     old = read_saved(baseline, "comparisons", "linnet verify --url") if baseline else None  # refused before the run
     sink.info(f"verifying the server at {url} against {model}...")
     r = verify_server(model, url, dtype or "auto", api_key,
@@ -125,7 +117,7 @@ def _verify_url(sink: Sink, model, url, dtype, api_key, served_model_name, promp
     if old is not None:
         r.baseline = verify_gate(r, old, baseline, other_machine, warn=lambda text: sink.err.print(f"warning: {text}"))
         r.passed = r.passed and r.baseline["passed"]
-    _save(sink, save, r.to_json())
+    write_json(sink, save, r.to_json())
     sink.data(_describe(r), r.to_json())
     if not r.passed:
         raise typer.Exit(EXIT_CHECK_FAILED)
@@ -137,28 +129,30 @@ def _describe(r) -> str:
     def num(v, fmt=".3g"):
         return "—" if v is None else format(v, fmt)
 
+    def mark(passed: bool) -> str:
+        return "[green]ok[/]  " if passed else "[red]FAIL[/]"
+
     lines = [f"{r.served_model} at {r.url}, claimed {r.dtype}; reference: {r.reference}; "
              f"tolerance |Δ logprob| ≤ {r.tolerance:.3g}, KLD ≤ {r.kld_bound:.3g}"]
     for c in r.comparisons:
-        mark = "[green]ok[/]  " if c.passed else "[red]FAIL[/]"
         div = "" if c.agreement == len(c.tokens) else f" (then differs at {c.agreement + 1})"
-        lines.append(f"  {mark} {c.name:<9} {c.kind:<10} {c.prompt_tokens:>4} prompt tokens · greedy agrees "
+        lines.append(f"  {mark(c.passed)} {c.name:<9} {c.kind:<10} {c.prompt_tokens:>4} prompt tokens · greedy agrees "
                      f"{c.agreement}/{len(c.tokens)}{div} · max |Δ logprob| {num(c.max_dlogprob)} · "
                      f"top-{r.top_logprobs} overlap {num(c.top_overlap, '.0%')} · KLD {num(c.kld)}"
                      + (f" · {c.prompt_logprobs} prompt positions" if c.prompt_logprobs else "")
                      + (f"\n         {escape(c.finding)}" if c.finding else ""))
     tk, tp = r.tokenizer, r.template
-    lines.append(f"  {'[green]ok[/]  ' if tk['passed'] else '[red]FAIL[/]'} tokenizer "
+    lines.append(f"  {mark(tk['passed'])} tokenizer "
                  f"({tk['checked'] or 'not checked'})"
                  + "".join(f"\n         {escape(f)}" for f in tk["findings"]))
-    lines.append(f"  {'[green]ok[/]  ' if tp['passed'] else '[red]FAIL[/]'} chat template "
+    lines.append(f"  {mark(tp['passed'])} chat template "
                  f"({tp['checked'] or 'not checked'})"
                  + (f"\n         {escape(tp['finding'])}" if tp["finding"] else ""))
     for m in r.missing:
         lines.append(f"  [yellow]note[/] {escape(m)}")
     if r.baseline is not None:
         b = r.baseline
-        lines.append(f"  {'[green]ok[/]  ' if b['passed'] else '[red]FAIL[/]'} against the baseline "
+        lines.append(f"  {mark(b['passed'])} against the baseline "
                      f"{escape(b['file'])}: " + escape(b["summary"]))
     verdict = "[bold green]PASS[/]" if r.passed else "[bold red]FAIL[/]: " + ", ".join(
         r.diagnosis + (["drift from the baseline"] if r.baseline and not r.baseline["passed"] else []))

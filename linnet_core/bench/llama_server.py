@@ -39,6 +39,9 @@ if platform.machine().lower() in ("x86_64", "amd64"):
 # The cached binary is named by what built it, so a changed recipe builds afresh.
 RECIPE = hashlib.sha256("\n".join((SOURCE_SHA256, *CMAKE_FLAGS)).encode()).hexdigest()[:8]
 BUILD_COMMAND = "linnet bench --serving --target llama-server --build-llama-server"
+# Attention in float32: keys and values as float32, flash attention off (on a CPU, llama-server's flash
+# attention rounds to half precision even over a float32 cache): what a float32 claim needs.
+FLOAT32_ATTENTION = ("-ctk", "f32", "-ctv", "f32", "-fa", "off")
 
 
 class LlamaServerMissing(InputError):
@@ -146,13 +149,14 @@ NO_REPACK = "--no-repack"
 
 
 def start(binary: Path, gguf: Path, slots: int, ctx_per_slot: int, threads: int, log: Path,
-          timeout: float = 600) -> tuple[subprocess.Popen, str, tuple[str, ...]]:
-    """llama-server on `gguf` with `slots` slots of `ctx_per_slot` positions each, ready to take requests; with
-    the workaround flags it needed (`--no-repack` where it crashed at start-up with its weights repacked)."""
+          timeout: float = 600, flags: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, tuple[str, ...]]:
+    """llama-server on `gguf` with `slots` slots of `ctx_per_slot` positions each and `flags`, ready to take
+    requests; with the workaround flags it needed (`--no-repack` where it crashed at start-up with its
+    weights repacked)."""
     try:
-        return (*_start(binary, gguf, slots, ctx_per_slot, threads, log, timeout, ()), ())
+        return (*_start(binary, gguf, slots, ctx_per_slot, threads, log, timeout, flags), ())
     except _CrashedAtStart:
-        return (*_start(binary, gguf, slots, ctx_per_slot, threads, log, timeout, (NO_REPACK,)), (NO_REPACK,))
+        return (*_start(binary, gguf, slots, ctx_per_slot, threads, log, timeout, (*flags, NO_REPACK)), (NO_REPACK,))
 
 
 class _CrashedAtStart(InputError):
@@ -173,7 +177,7 @@ def _start(binary: Path, gguf: Path, slots: int, ctx_per_slot: int, threads: int
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
-            crashed = proc.returncode == -signal.SIGSEGV and not extra
+            crashed = proc.returncode == -signal.SIGSEGV and NO_REPACK not in extra
             raise (_CrashedAtStart if crashed else InputError)(
                 f"llama-server exited with {proc.returncode}: {tail[0][:200]}")
         try:

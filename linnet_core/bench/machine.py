@@ -123,6 +123,7 @@ def environment(device: str) -> dict:
 
     env = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),  # a --baseline is compared on the machine it came from
         "python": platform.python_version(),
         "cpu": cpu_name(),
         "cpu_kernels": kernel_level(),  # the ISA level of Linnet's CPU kernels: every figure names its machine

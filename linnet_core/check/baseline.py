@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from statistics import median
 
 from ..errors import InputError
 
@@ -70,44 +71,32 @@ def bench_gate(new: dict, old: dict, path: Path, max_slowdown: float, other_mach
                          "compare runs of the same command")
     same = check_machine(old["environment"], new["environment"], path, other_machine, warn)
     olds = {s.get("key"): s for s in old["sides"] if isinstance(s, dict)}
-    rows, passed = [], True
+    rows = []
     for side in new["sides"]:
         before = olds.get(side["key"])
         if before is None or side.get("status") != "ok" or before.get("status") != "ok":
             continue
-        for metric, faster in (("decode_tok_s", "higher"), ("ttft_s", "lower")):
-            a = [s[metric] for s in before.get("samples") or [] if isinstance(s.get(metric), (int, float))]
-            b = [s[metric] for s in side.get("samples") or [] if isinstance(s.get(metric), (int, float))]
-            if len(a) < MIN_RUNS or len(b) < MIN_RUNS:
-                raise InputError(f"--baseline: {side['key']} has {min(len(a), len(b))} timed runs; a drop is told "
-                                 f"from noise with {MIN_RUNS} or more per side (--runs)")
-            if faster == "lower":  # time: a slowdown is a rise; compared as speeds (1/t)
-                a, b = [1 / x for x in a], [1 / x for x in b]
-            ma, mb = _median(a), _median(b)
-            change = mb / ma - 1
+        for metric in ("decode_tok_s", "ttft_s"):
+            measured = [[s[metric] for s in runs.get("samples") or [] if isinstance(s.get(metric), (int, float))
+                         and s[metric] > 0] for runs in (before, side)]
+            if min(map(len, measured)) < MIN_RUNS:
+                raise InputError(f"--baseline: {side['key']} has {min(map(len, measured))} timed runs; a drop is "
+                                 f"told from noise with {MIN_RUNS} or more per side (--runs)")
+            # compared as speeds: a time's slowdown is a rise, so TTFT is taken as 1/t
+            a, b = measured if metric != "ttft_s" else [[1 / x for x in m] for m in measured]
+            change = median(b) / median(a) - 1
             p = drop_p_value(a, b)
-            slower = change < -max_slowdown and p <= P_VALUE
-            passed &= not slower
-            rows.append({"key": side["key"], "metric": metric, "baseline_median": _median_raw(before, metric),
-                         "median": _median_raw(side, metric), "speed_change": change, "p_value": p,
-                         "runs": [len(a), len(b)], "slower": slower})
+            rows.append({"key": side["key"], "metric": metric, "baseline_median": median(measured[0]),
+                         "median": median(measured[1]), "speed_change": change, "p_value": p,
+                         "runs": [len(a), len(b)], "slower": change < -max_slowdown and p <= P_VALUE})
     slow = [r for r in rows if r["slower"]]
+    passed = not slow
     summary = (f"{len(rows)} medians compared (bound {max_slowdown:.0%}, p ≤ {P_VALUE}); "
                + ("; ".join(f"{r['key']} {r['metric']} {-r['speed_change']:.1%} slower (p = {r['p_value']:.3g})"
                             for r in slow) if slow else "none slower"))
     return {"file": str(path), "passed": passed, "same_machine": same, "max_slowdown": max_slowdown,
             "statistic": "median of timed runs; one-sided Mann-Whitney U over the runs", "summary": summary,
             "versions_changed": versions_changed(old["environment"], new["environment"]), "rows": rows}
-
-
-def _median(v: list[float]) -> float:
-    import statistics
-
-    return statistics.median(v)
-
-
-def _median_raw(side: dict, metric: str) -> float:
-    return _median([s[metric] for s in side["samples"]])
 
 
 def verify_gate(report, old: dict, path: Path, other_machine: bool, warn) -> dict:

@@ -14,9 +14,7 @@ where it is: tokenizer, chat template or logits.
 from __future__ import annotations
 
 import gc
-import importlib.metadata
 import json
-import platform
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -24,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..bench.machine import cpu_name
+from ..bench.machine import environment
 from ..compile import Model, open_model, pick_dtype
 from ..dtypes import FORMATS
 from ..errors import InputError
@@ -248,7 +246,7 @@ def verify_server(model: str | Path | None, url: str, dtype: str = "auto", api_k
         model=m.resolved.name, url=client.root, served_model=served_model, dtype=claimed, reference=ref.describe(),
         tolerance=bounds.logprob, kld_bound=bounds.kld, top_logprobs=top_logprobs, tokenizer=found.tokenizer,
         template=found.template, comparisons=comparisons, capabilities=caps, missing=missing, diagnosis=diagnosis,
-        passed=not diagnosis, environment=_environment(), seconds=time.perf_counter() - t0)
+        passed=not diagnosis, environment=environment("cpu"), seconds=time.perf_counter() - t0)
 
 
 def against_reference(asked: list[Asked], ref: Reference, bounds: Bounds, new_tokens: int, k: int,
@@ -275,15 +273,3 @@ def against_reference(asked: list[Asked], ref: Reference, bounds: Bounds, new_to
     return [compare_text(a.name, a.kind, a.prompt, a.generated, *row, tok, bounds) if isinstance(a.generated, str)
             else compare(a.name, a.kind, a.prompt, a.generated, a.scored_prompt, row, bounds, k)
             for a, row in zip(asked, rows)]
-
-
-def _environment() -> dict:
-    """This machine and versions (the server's are its own: a baseline is compared on the same setup)."""
-    def version(d: str) -> str | None:
-        try:
-            return importlib.metadata.version(d)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(), "cpu": cpu_name(),
-            "versions": {d: v for d in ("linnet", "torch", "transformers", "llama-cpp-python") if (v := version(d))}}
