@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from linnet_core.backends.cpu import build, extension, selfcheck
-from linnet_core.backends.cpu.linears import DecodeLinear, linear_kernel, pack_linear_weights
+from linnet_core.backends.cpu.linears import DecodeLinear, active, linear_kernel, pack_linear_weights
+from linnet_core.backends.torch_backend import session_weights
 
 
 @pytest.fixture(scope="module")
@@ -512,3 +513,13 @@ def test_every_lower_level_passes_these_tests(ext, tmp_path):
         assert " passed" in out.stdout and " failed" not in out.stdout
         if i == 0:
             assert list((tmp_path / "kernels").glob(f"decode_kernels-{level.name}-*/*.so"))
+
+
+def test_a_session_without_cpu_kernels_activates_none():
+    """A GPU session has no CPU kernels, and its compiled step enters `active` all the same (the
+    first GPU pass of this code found inductor and CUDA graphs failing there with AttributeError)."""
+    kernels = session_weights({"global": {}, "layers": []}, {"linear_weights": {"global": [], "block": []}},
+                              "cuda", eager=False)
+    assert kernels == [] and kernels.native_id == 0
+    with active(kernels):
+        pass

@@ -35,10 +35,15 @@ def dequantize(weight):
     return w.reshape(*w.shape[:-2], -1)
 
 
+def precision(x):
+    """HIGHEST for float32 dots: XLA's GPU default runs them in TF32 (a 10-bit mantissa), ~1e-2 off."""
+    return jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+
+
 def linear(x, weight, bias=None):
     """x @ weight.T (+ bias); XLA reads the [out, in] weight as it lies (block-quantized weights
     dequantized in the graph, where XLA can fuse it into the dot)."""
-    y = jnp.einsum("...i,oi->...o", x, dequantize(weight))
+    y = jnp.einsum("...i,oi->...o", x, dequantize(weight), precision=precision(x))
     return y if bias is None else y + bias
 
 
@@ -90,10 +95,12 @@ def attention(q, k, v, pos, slots, k_cache, v_cache, layer, window, scale):
     if window is not None:
         mask = mask & (key_pos > pos[..., None] - window)
     qg = q.reshape(B, T, KV, H // KV, D)  # query heads grouped by their KV head
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, keys).astype(jnp.float32) * scale  # [B, KV, G, T, S]
+    # scores come out of the dot in float32, unrounded, as SDPA's and the reference's do
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, keys, precision=precision(q),
+                        preferred_element_type=jnp.float32) * scale  # [B, KV, G, T, S]
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # in float32, as the reference does
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, values)  # [B, T, KV, G, D]
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, values, precision=precision(q))  # [B, T, KV, G, D]
     return out.reshape(B, T, H, D), k_cache, v_cache
 '''
 

@@ -138,7 +138,10 @@ class Module:
               f"rhs_batching_dimensions = [{', '.join(map(str, batch[1]))}], "
               f"lhs_contracting_dimensions = [{', '.join(map(str, contract[0]))}], "
               f"rhs_contracting_dimensions = [{', '.join(map(str, contract[1]))}]>")
-        return self.op("dot_general", [a, b], shape, et or a.et, f"dot_dimension_numbers = {dn}")
+        # HIGHEST for float32: XLA's GPU default runs float32 dots in TF32 (a 10-bit mantissa)
+        highest = ", precision_config = [#stablehlo<precision HIGHEST>, #stablehlo<precision HIGHEST>]"
+        attrs = f"dot_dimension_numbers = {dn}" + (highest if a.et == b.et == "f32" else "")
+        return self.op("dot_general", [a, b], shape, et or a.et, attrs)
 
     def reduce(self, a: V, dims: list[int], kind: str) -> V:
         """Sum ("add") or maximum ("maximum") over `dims`."""
@@ -310,7 +313,8 @@ class Module:
         return self.reshape(a, shape)
 
     def qk(self, q: V, k: V) -> V:
-        return self.dot(q, k, ([0, 1], [0, 1]), ([4], [3]), q.shape[:4] + (k.shape[2],))
+        # scores come out of the dot in float32, unrounded, as SDPA's and the reference's do
+        return self.dot(q, k, ([0, 1], [0, 1]), ([4], [3]), q.shape[:4] + (k.shape[2],), et="f32")
 
     def pv(self, p: V, v: V) -> V:
         return self.dot(p, v, ([0, 1], [0, 1]), ([4], [2]), p.shape[:4] + (v.shape[3],))

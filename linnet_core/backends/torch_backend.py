@@ -24,7 +24,7 @@ from ..runtime.session import Session
 from .artifact import WEIGHTS_FILE, import_generated, load_prepared_weights, read_info
 from .base import Backend
 from .cpu import extension as cpu_kernels
-from .cpu.linears import DecodeLinear, PackedFloatLinear, linear_kernel, pack_linear_weights
+from .cpu.linears import DecodeLinear, Kernels, PackedFloatLinear, linear_kernel, pack_linear_weights
 from .cpu.step_kernels import add_step_kernels
 from .torch_emit import emit
 
@@ -86,14 +86,14 @@ def device_block_weights(weights, names: dict[str, list[str]]) -> None:
                 group[name] = (BlockLinear if name in linear_names else BlockTable)(group[name], fmt)
 
 
-def session_weights(weights, info: dict, device: str, eager: bool) -> list:
+def session_weights(weights, info: dict, device: str, eager: bool) -> Kernels:
     """Wrap a session's weights for its device, in place: this CPU's kernels (returned in handle
     order), or on a GPU the block-quantized weights' BlockLinear / BlockTable. `eager`: the step
     runs uncompiled (the small ops' kernels help there; a compiler fuses those itself)."""
     if device == "cpu":
         return cpu_weights(weights, info, eager)
     device_block_weights(weights, info["linear_weights"])
-    return []
+    return Kernels([])  # none: the compiled step's `active(...)` then activates nothing
 
 
 def check_quantized(dtype: str, device: str) -> None:

@@ -294,6 +294,8 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
                     raise  # the machine's problem, not this side's: the bench cannot go on
                 except LinnetError as e:
                     side.fail(e.message)
+                except Exception as e:  # noqa: BLE001 - a backend's crash is this side's result: the others still run
+                    side.fail(f"internal error: {type(e).__name__}: {e}".splitlines()[0])
         reporter.stage("measuring memory bandwidth")
         result.bandwidth_bytes_s = stream_bandwidth(device)
         ready = [s for s in sides if s.status == "ok"]

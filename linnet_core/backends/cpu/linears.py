@@ -66,8 +66,10 @@ class Kernels(list):
         super().__init__(kernels)
         self.native_id = 0  # the C++ side's id of this session's kernels; 0: none registered
         natives = [k.native() for k in kernels]
+        if not any(kind != NATIVE_NONE for kind, _, _ in natives):
+            return  # nothing to register (a GPU session has no CPU kernels): the extension is not built for it
         ext = extension.extension()
-        if ext is not None and any(kind != NATIVE_NONE for kind, _, _ in natives):
+        if ext is not None:
             self.native_id = ext.register_kernels(natives)
             weakref.finalize(self, ext.release_kernels, self.native_id)
 
