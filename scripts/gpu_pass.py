@@ -113,7 +113,10 @@ class Pass:
         return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT / "tests")]),
                 "PATH": f"{site / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
                 "LINNET_CACHE": str(self.work / "cache"), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-                "TRANSFORMERS_VERBOSITY": "error"}
+                "TRANSFORMERS_VERBOSITY": "error",
+                # up to 17 processes compile at once: a pool of 16 compile workers in each (inductor's
+                # default here) is what the second pass's verify lost as "SubprocException"
+                "TORCHINDUCTOR_COMPILE_THREADS": "1"}
 
     def start(self, cmd: list[str], stdout=None) -> subprocess.Popen:
         """A child in a process group of its own (so a time box ends all of it), stderr to the log."""
@@ -484,7 +487,15 @@ def verify_worker(backend: str, device: str, dtypes: list[str], fixtures_dir: Pa
                 except LinnetError as e:
                     emit(case, dtype, status="error", reason=e.message)
                 except Exception as e:  # noqa: BLE001 - a crash in one case is that case's result
-                    emit(case, dtype, status="error", reason=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                    emit(case, dtype, status="error", reason=crash_reason(e))
+
+
+def crash_reason(e: BaseException) -> str:
+    """The exception's first line and, where it wraps another's traceback (inductor's subprocess
+    errors do), that traceback's last line: the cause."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    head = f"{type(e).__name__}: {lines[0] if lines else ''}"
+    return head if len(lines) < 2 else f"{head} ... {lines[-1]}"
 
 
 def main() -> int:

@@ -196,6 +196,9 @@ class XlaSession(Session):
     def _sample(self, logits: Any, row: int, sampler: Sampler) -> int:
         return sampler.pick(torch.from_numpy(np.array(logits[row, -1], dtype=np.float32)))  # a writable copy
 
+    def _logit_rows(self, logits: Any, rows: range) -> Any:
+        return torch.from_numpy(np.array(logits[rows.start:rows.stop, -1], dtype=np.float32))
+
 
 class JaxSession(XlaSession):
     def __init__(self, module, weights: dict, info: dict, rows: int, backend: str, device):

@@ -8,7 +8,8 @@ from typing import Iterable, Iterator
 
 from ..errors import InputError
 from .sampling import Sampler
-from .session import Session
+from .session import Chunk, Session
+from .speculative import Speculation, SpeculativeStats
 
 
 @dataclass
@@ -34,7 +35,9 @@ class Generation:
     sampler: Sampler | None = None
     stop_ids: Iterable[int] = ()
     slot: int = 0
+    speculation: Speculation | None = None  # propose tokens and check them in one target step
     stats: GenerationStats = field(default_factory=GenerationStats)
+    speculative: SpeculativeStats = field(default_factory=SpeculativeStats)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -51,18 +54,32 @@ class Generation:
         st.prompt_tokens = len(self.prompt)
         budget = min(self.max_new_tokens, s.cache_len - len(self.prompt))
         t0 = time.perf_counter()
-        token = s.prefill(self.prompt, slot=self.slot, sampler=self.sampler).tokens[0]
+        tokens = s.prefill(self.prompt, slot=self.slot, sampler=self.sampler).tokens
         st.ttft_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        pos = len(self.prompt)
-        while True:
-            if token in stop:
-                st.finish_reason = "stop"
-                break
-            st.new_tokens += 1
-            yield token
-            if st.new_tokens >= budget:
-                break
-            token = s.decode([token], [pos], [self.slot], samplers=[self.sampler]).tokens[0]
-            pos += 1
-        st.decode_s = time.perf_counter() - t1
+        context = list(self.prompt)  # what the model has seen, then the token to feed next
+        length = self.speculation.length() if self.speculation else None
+        try:
+            while True:
+                for token in tokens:
+                    if token in stop:
+                        st.finish_reason = "stop"
+                        return
+                    st.new_tokens += 1
+                    context.append(token)
+                    yield token
+                    if st.new_tokens >= budget:
+                        return
+                pos = len(context) - 1  # where the last token goes
+                # a check of k proposals yields up to k + 1 tokens and writes k + 1 positions
+                k = min(length.next(), budget - st.new_tokens - 1, s.cache_len - pos - 1) if length else 0
+                draft = self.speculation.proposer.propose([(self.slot, context, k, self.sampler)])[0] if k > 0 else None
+                if draft is None or not draft.tokens:
+                    tokens = s.decode([context[-1]], [pos], [self.slot], samplers=[self.sampler]).tokens
+                    continue
+                chunk = Chunk([context[-1], *draft.tokens], pos, self.slot, self.sampler, draft)
+                tokens = s.step_tokens([chunk])[0]
+                self.speculative.add(len(draft.tokens), len(tokens) - 1, len(tokens))
+                length.observe(len(draft.tokens), len(tokens) - 1)
+        finally:
+            st.decode_s = time.perf_counter() - t1

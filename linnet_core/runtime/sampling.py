@@ -88,7 +88,7 @@ class Sampler:
         self._prompt = tuple(prompt) if self.params.repetition_penalty != 1 else ()
         self._chosen: list[int] = []
         self._counts: Counter[int] = Counter()
-        self.last_logprobs: TokenLogprobs | None = None
+        self._logprobs: list[TokenLogprobs] = []  # of the choices since they were last taken
         self.constraint = Constraint(self.params.grammar) if self.params.grammar is not None else None
 
     @property
@@ -114,49 +114,68 @@ class Sampler:
         for token in self._chosen[chosen:]:
             self._counts[token] -= 1
         del self._chosen[chosen:]
+        self._logprobs.clear()  # the failed step's choices are made again
 
     def take_logprobs(self) -> TokenLogprobs | None:
         """The log-probabilities of the last choice, once (None when none were asked for)."""
-        out, self.last_logprobs = self.last_logprobs, None
+        out = self.take_all_logprobs()
+        return out[-1] if out else None
+
+    def take_all_logprobs(self) -> list[TokenLogprobs]:
+        """The log-probabilities of every choice since they were last taken (a speculative step makes several)."""
+        out, self._logprobs = self._logprobs, []
         return out
 
     def pick(self, logits: torch.Tensor) -> int:
         """Choose a token from logits [V] (on whatever device they live on)."""
+        dist, final = self.scores(logits)
+        if self.params.greedy:
+            token = int(final.argmax())
+        else:
+            token = int(torch.multinomial(final.softmax(-1), 1, generator=self.generator(logits.device)))
+        self.accept(token, dist)
+        return token
+
+    def scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What this request's choice at logits [V] is made from, given the tokens accepted so far:
+        (the scores log-probabilities are read from, the scores drawn from (argmax'd when greedy))."""
         p = self.params
         scores = self._shaped(logits.float())
         if self.constraint is not None:
             scores = self.constraint.mask(scores)
         if p.greedy:
-            token = int(scores.argmax())
-            if p.logprobs is not None:
-                self.last_logprobs = _logprobs(scores, token, p.logprobs)
-        else:
-            # Relative to the best score, so a tiny temperature sends the rest to -inf, never inf - inf = NaN;
-            # floored at float32's smallest normal, which a Python float below it would round to 0 (0 / 0).
-            scores = (scores - scores.max()) / max(p.temperature, torch.finfo(torch.float32).tiny)
-            dist = scores
-            if p.min_p:
-                probs = scores.softmax(-1)
-                scores = scores.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-            if p.top_k:
-                kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
-                scores = scores.masked_fill(scores < kth, float("-inf"))
-            if p.top_p < 1:
-                sorted_scores, order = torch.sort(scores, descending=True)
-                cum = sorted_scores.softmax(-1).cumsum(-1)
-                drop = cum - sorted_scores.softmax(-1) >= p.top_p  # keep the smallest set reaching top_p
-                scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
-            token = int(torch.multinomial(scores.softmax(-1), 1, generator=self._seeded(logits.device)))
-            if p.logprobs is not None:
-                self.last_logprobs = _logprobs(dist, token, p.logprobs)
+            return scores, scores
+        # Relative to the best score, so a tiny temperature sends the rest to -inf, never inf - inf = NaN;
+        # floored at float32's smallest normal, which a Python float below it would round to 0 (0 / 0).
+        scores = (scores - scores.max()) / max(p.temperature, torch.finfo(torch.float32).tiny)
+        dist = scores
+        if p.min_p:
+            probs = scores.softmax(-1)
+            scores = scores.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        if p.top_k:
+            kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if p.top_p < 1:
+            sorted_scores, order = torch.sort(scores, descending=True)
+            cum = sorted_scores.softmax(-1).cumsum(-1)
+            drop = cum - sorted_scores.softmax(-1) >= p.top_p  # keep the smallest set reaching top_p
+            scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
+        return dist, scores
+
+    def accept(self, token: int, dist: torch.Tensor) -> None:
+        """Record `token` as chosen where `dist` (scores' first part) held: its log-probabilities when
+        asked, the penalties' counts, the grammar's state."""
+        p = self.params
+        if p.logprobs is not None:
+            self._logprobs.append(_logprobs(dist, token, p.logprobs))
         if p.shapes_scores:
             self._chosen.append(token)
             self._counts[token] += 1
         if self.constraint is not None:
             self.constraint.accept(token)
-        return token
 
-    def _seeded(self, device: torch.device) -> torch.Generator:
+    def generator(self, device: torch.device) -> torch.Generator:
+        """This request's random stream on `device` (seeded when the request gave a seed)."""
         if self._generator is None or self._generator.device != device:
             self._generator = torch.Generator(device=device)
             self._generator.manual_seed(self.params.seed if self.params.seed is not None else torch.seed())

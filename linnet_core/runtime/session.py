@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import InputError
+from .drafts import Draft, judge
 from .ragged import RaggedLayout, ragged_layout
 from .row_contents import RowContents
 from .sampling import Sampler
@@ -30,6 +31,7 @@ class Chunk:
     start: int  # position of ids[0] in the row
     slot: int
     sampler: Sampler | None = None  # how this chunk's next token is chosen (greedy when None)
+    draft: Draft | None = None  # ids end with these proposed tokens, checked in this step (speculative decoding)
 
 
 @dataclass
@@ -166,28 +168,69 @@ class Session(ABC):
 
     def step(self, chunks: Sequence[Chunk]) -> list[int]:
         """Run every chunk, each on its own cache row; the next token after each chunk."""
+        return [tokens[-1] for tokens in self.step_tokens(chunks)]
+
+    def step_tokens(self, chunks: Sequence[Chunk]) -> list[list[int]]:
+        """Run every chunk, each on its own cache row; what each yields: its next token, or for a
+        chunk that ends with a draft, the draft's accepted tokens and then the target's next one."""
         if not chunks or any(not len(c.ids) for c in chunks):
             raise InputError("a step needs at least one chunk, and no chunk may be empty")
         if len({c.slot for c in chunks}) != len(chunks):
             raise InputError("a step got the same cache row twice")
         for c in chunks:
             self._check(len(c.ids), c.start, c.slot)
+            if c.draft is not None and not 0 < len(c.draft.tokens) < len(c.ids):
+                raise InputError("a draft's tokens must end its chunk, after at least one token of the row's own")
         with self._writing([(c.slot, c.start, c.ids) for c in chunks]):
             return self._run_chunks(chunks)
 
-    def _run_chunks(self, chunks: Sequence[Chunk]) -> list[int]:
+    def _run_chunks(self, chunks: Sequence[Chunk]) -> list[list[int]]:
+        # a chunk with a draft needs the logits of its last k + 1 positions; the others of their last
+        wanted = [len(c.draft.tokens) + 1 if c.draft is not None else 1 for c in chunks]
         if self.ragged:
+            every = [w > 1 for w in wanted]
             greedy, logits = self._run_ragged(ragged_layout([c.ids for c in chunks], [c.start for c in chunks],
-                                                            [c.slot for c in chunks]))
-            return self._choose(greedy, logits, [c.sampler for c in chunks])
+                                                            [c.slot for c in chunks], every))
+            greedy = self._to_host(greedy).reshape(-1)
+            out, at = [], 0
+            for c, w, full in zip(chunks, wanted, every, strict=True):
+                n = len(c.ids) if full else 1
+                out.append(self._yield(c, greedy[at + n - w:at + n], logits, range(at + n - w, at + n)))
+                at += n
+            return out
         # Dense: one batched call per chunk length (the one-token rows together).
-        tokens = [0] * len(chunks)
+        results: list[list[int]] = [[] for _ in chunks]
         by_length: dict[int, list[int]] = {}
         for i, c in enumerate(chunks):
             by_length.setdefault(len(c.ids), []).append(i)
         for idx in by_length.values():
+            full = any(wanted[i] > 1 for i in idx)
             greedy, logits = self._run([list(chunks[i].ids) for i in idx], [chunks[i].start for i in idx],
-                                       [chunks[i].slot for i in idx], all_logits=False)
-            for i, t in zip(idx, self._choose(greedy, logits, [chunks[i].sampler for i in idx]), strict=True):
-                tokens[i] = t
-        return tokens
+                                       [chunks[i].slot for i in idx], all_logits=full)
+            if full:  # [B, T, V]: every position's argmax, then the rows' logits as [B * T, V]
+                T = len(chunks[idx[0]].ids)
+                greedy = self._argmax(logits).reshape(-1)
+                logits = logits.reshape(len(idx) * T, 1, -1)
+            else:
+                T = 1
+                greedy = self._to_host(greedy).reshape(-1)
+            for j, i in enumerate(idx):
+                end = (j + 1) * T
+                results[i] = self._yield(chunks[i], greedy[end - wanted[i]:end], logits, range(end - wanted[i], end))
+        return results
+
+    def _argmax(self, logits: Any) -> np.ndarray:
+        return self._to_host(logits.argmax(-1))
+
+    def _yield(self, chunk: Chunk, greedy: np.ndarray, logits: Any, rows: range) -> list[int]:
+        """What `chunk` yields from its positions' greedy tokens and the logits rows `rows` ([N, 1, V])."""
+        if chunk.draft is None:
+            if chunk.sampler is None or chunk.sampler.greedy:
+                return [int(greedy[-1])]
+            return [self._sample(logits, rows[-1], chunk.sampler)]
+        mine = self._logit_rows(logits, rows) if chunk.sampler is not None and not chunk.sampler.greedy else None
+        return judge(chunk.sampler, chunk.draft, [int(t) for t in greedy], mine)
+
+    def _logit_rows(self, logits: Any, rows: range) -> Any:
+        """Logits rows [N, 1, V] -> a torch tensor [len(rows), V] of those rows."""
+        return logits[rows.start:rows.stop, -1]
