@@ -78,3 +78,22 @@ def name_list(values: list[str] | None, every: tuple[str, ...], default: str) ->
     if flat == ["none"]:
         return []
     return list(dict.fromkeys(flat))
+
+# Speculative decoding, shared by `run`, `serve` and `bench` (linnet_core.speculation.SpeculationOptions).
+SpeculateOpt = Annotated[Optional[str], typer.Option(
+    "--speculate", metavar="[ngram|draft]", help="Speculative decoding: 'ngram' proposes tokens by looking the "
+    "text's last words up earlier in it (prompt lookup, no second model); 'draft' by a smaller model (--draft). "
+    "Greedy output is the plain run's; sampled output follows the same distribution.", show_default=False)]
+DraftOpt = Annotated[Optional[str], typer.Option(
+    "--draft", help="A draft model with the target's tokenizer (folder, .gguf, repo id or short name); implies "
+    "--speculate draft.", autocompletion=_complete_model, show_default=False)]
+DraftTokensOpt = Annotated[int, typer.Option(
+    "--draft-tokens", min=1, max=16, help="Most tokens proposed per step.")]
+AdaptiveDraftOpt = Annotated[bool, typer.Option(
+    "--adaptive-draft/--fixed-draft", help="Propose fewer tokens while few are accepted (the count that "
+    "maximises tokens per unit of work at the running acceptance rate), or always --draft-tokens.")]
+DraftBackendOpt = Annotated[Optional[BackendName], typer.Option(
+    "--draft-backend", help="Backend for the draft model (default: the target's).", show_default=False)]
+DraftDtypeOpt = Annotated[str, typer.Option(
+    "--draft-dtype", callback=dtype_choice, autocompletion=_complete_dtype,
+    metavar="[auto|float32|float16|bfloat16|q8_0|q4_0]", help="The draft model's dtype (auto: its checkpoint's).")]

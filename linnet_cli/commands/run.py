@@ -13,7 +13,8 @@ import typer
 from linnet_core.errors import InputError
 from linnet_core.tokenizer import IncrementalDecoder, Tokenizer
 
-from ..options import BackendName, BackendOpt, CacheLenOpt, DtypeOpt, JsonOpt, OptionalModelArg, QuietOpt, RevisionOpt
+from ..options import (AdaptiveDraftOpt, BackendName, BackendOpt, CacheLenOpt, DraftBackendOpt, DraftDtypeOpt, DraftOpt,
+                       DraftTokensOpt, DtypeOpt, JsonOpt, OptionalModelArg, QuietOpt, RevisionOpt, SpeculateOpt)
 from ..output import Sink, handle_errors
 
 
@@ -40,6 +41,12 @@ def run_command(
     backend: BackendOpt = BackendName.torch,
     dtype: DtypeOpt = "auto",
     cache_len: CacheLenOpt = None,
+    speculate: SpeculateOpt = None,
+    draft: DraftOpt = None,
+    draft_tokens: DraftTokensOpt = 4,
+    adaptive_draft: AdaptiveDraftOpt = True,
+    draft_backend: DraftBackendOpt = None,
+    draft_dtype: DraftDtypeOpt = "auto",
     revision: RevisionOpt = None,
     json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -50,8 +57,11 @@ def run_command(
     from linnet_core.runtime.generate import Generation  # imports torch: not at start-up
     from linnet_core.runtime.constraints import grammars  # imports torch: not at start-up
     from linnet_core.runtime.sampling import Sampler, SamplingParams  # imports torch: not at start-up
+    from linnet_core.speculation import SpeculationOptions, load_speculation  # imports torch: not at start-up
 
     sink = Sink(json, quiet)
+    wanted = SpeculationOptions(speculate, draft, draft_tokens, adaptive_draft,  # checked before anything loads
+                                draft_backend.value if draft_backend else None, draft_dtype)
     m = open_model(model, revision)
     tok = Tokenizer(m.path)
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
@@ -59,12 +69,13 @@ def run_command(
         raise InputError("the prompt encodes to no tokens")
     t0 = time.perf_counter()
     session, compiled = load_model(m, backend.value, dtype, cache_len, progress=sink.info)
+    speculation, drafted = load_speculation(wanted, compiled, session, progress=sink.info)
     load_s = time.perf_counter() - t0
     eos = tok.eos_ids | set(m.spec.eos_token_ids)
     spec = output_constraint(json_schema, regex, grammar)
     held = grammars(tok, session.vocab_size, eos).compile(spec) if spec else None
     sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed, logprobs=logprobs, grammar=held), ids)
-    gen = Generation(session, ids, max_new_tokens, sampler, stop_ids=eos)
+    gen = Generation(session, ids, max_new_tokens, sampler, stop_ids=eos, speculation=speculation)
     decoder = IncrementalDecoder(tok)
     stream, scored = not json, []
     for token in gen:
@@ -84,10 +95,14 @@ def run_command(
             top = "  ".join(f"{_piece(tok, t)} {v:.3f}" for t, v in lp.top)
             sys.stderr.write(f"{_piece(tok, lp.token)}\t{lp.logprob:.4f}" + (f"\t{top}" if top else "") + "\n")
     state = "cached" if compiled.hit else "compiled"
+    spec = gen.speculative
+    proposer = f"draft {drafted.model.resolved.name} {drafted.dtype}" if drafted else "prompt lookup"
     sink.info(
         f"[dim]{st.prompt_tokens} prompt tokens · {st.new_tokens} new ({st.finish_reason}) · "
         f"first token {st.ttft_s * 1000:.0f} ms · {st.decode_tok_s:.1f} tok/s · "
         f"{compiled.backend} {compiled.dtype} · load {load_s:.2f} s ({state})[/]"
+        + (f"\n[dim]speculative ({proposer}): {spec.accepted} of {spec.proposed} proposed tokens accepted "
+           f"({spec.acceptance:.0%}) · {spec.tokens_per_step:.2f} tokens per target step[/]" if speculation else "")
     )
     if json:
         sink.data("", {
@@ -95,6 +110,7 @@ def run_command(
             "new_tokens": st.new_tokens, "finish_reason": st.finish_reason, "ttft_s": st.ttft_s,
             "decode_tok_s": st.decode_tok_s, "load_s": load_s, "backend": compiled.backend,
             "dtype": compiled.dtype, "cache_hit": compiled.hit, "model": m.resolved.name,
+            **({"speculative": {"proposer": "draft" if drafted else "ngram", **spec.to_json()}} if speculation else {}),
             **({"logprobs": [{"token": lp.token, "text": _piece(tok, lp.token), "logprob": lp.logprob,
                               "top": [{"token": t, "text": _piece(tok, t), "logprob": v} for t, v in lp.top]}
                              for lp in scored]} if logprobs is not None else {}),

@@ -196,8 +196,11 @@ class XlaSession(Session):
     def _sample(self, logits: Any, row: int, sampler: Sampler) -> int:
         return sampler.pick(torch.from_numpy(np.array(logits[row, -1], dtype=np.float32)))  # a writable copy
 
-    def _logit_rows(self, logits: Any, rows: range) -> Any:
-        return torch.from_numpy(np.array(logits[rows.start:rows.stop, -1], dtype=np.float32))
+    def _logit_rows(self, logits: Any, rows: Sequence[int]) -> Any:
+        return torch.from_numpy(np.array(logits[np.asarray(rows), -1], dtype=np.float32))
+
+    def _concat(self, parts: list[Any]) -> Any:
+        return np.concatenate([np.asarray(p) for p in parts])
 
 
 class JaxSession(XlaSession):

@@ -73,7 +73,7 @@ class Generation:
                 pos = len(context) - 1  # where the last token goes
                 # a check of k proposals yields up to k + 1 tokens and writes k + 1 positions
                 k = min(length.next(), budget - st.new_tokens - 1, s.cache_len - pos - 1) if length else 0
-                draft = self.speculation.proposer.propose([(self.slot, context, k, self.sampler)])[0] if k > 0 else None
+                draft = self.speculation.propose([(self.slot, context, k, self.sampler)], s.vocab_size)[0] if k > 0 else None
                 if draft is None or not draft.tokens:
                     tokens = s.decode([context[-1]], [pos], [self.slot], samplers=[self.sampler]).tokens
                     continue

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 
 from ..errors import InputError
 from .drafts import Draft, judge
@@ -179,58 +180,58 @@ class Session(ABC):
             raise InputError("a step got the same cache row twice")
         for c in chunks:
             self._check(len(c.ids), c.start, c.slot)
-            if c.draft is not None and not 0 < len(c.draft.tokens) < len(c.ids):
-                raise InputError("a draft's tokens must end its chunk, after at least one token of the row's own")
+            if c.draft is not None and not 0 < len(c.draft.tokens) == len(c.ids) - 1:
+                raise InputError("a draft's chunk is the row's last token and then the draft's")
         with self._writing([(c.slot, c.start, c.ids) for c in chunks]):
             return self._run_chunks(chunks)
 
     def _run_chunks(self, chunks: Sequence[Chunk]) -> list[list[int]]:
-        # a chunk with a draft needs the logits of its last k + 1 positions; the others of their last
-        wanted = [len(c.draft.tokens) + 1 if c.draft is not None else 1 for c in chunks]
+        # A draft's chunk runs as one-token entries of its row, one per position: each computed as a
+        # decode step computes it (the same kernels, rows read together), so the check keeps exactly
+        # the tokens plain decoding would choose. Every entry writes its keys and values before any attends.
+        entries: list[tuple[Sequence[int], int, int]] = []  # (ids, start, slot)
+        spans = []  # each chunk's entries
+        for c in chunks:
+            pieces = [([t], c.start + i, c.slot) for i, t in enumerate(c.ids)] if c.draft else [(c.ids, c.start, c.slot)]
+            spans.append(range(len(entries), len(entries) + len(pieces)))
+            entries += pieces
         if self.ragged:
-            every = [w > 1 for w in wanted]
-            greedy, logits = self._run_ragged(ragged_layout([c.ids for c in chunks], [c.start for c in chunks],
-                                                            [c.slot for c in chunks], every))
+            greedy, logits = self._run_ragged(ragged_layout([e[0] for e in entries], [e[1] for e in entries],
+                                                            [e[2] for e in entries]))
             greedy = self._to_host(greedy).reshape(-1)
-            out, at = [], 0
-            for c, w, full in zip(chunks, wanted, every, strict=True):
-                n = len(c.ids) if full else 1
-                out.append(self._yield(c, greedy[at + n - w:at + n], logits, range(at + n - w, at + n)))
-                at += n
-            return out
-        # Dense: one batched call per chunk length (the one-token rows together).
-        results: list[list[int]] = [[] for _ in chunks]
+            return [self._yield(c, greedy, logits, span) for c, span in zip(chunks, spans, strict=True)]
+        # Dense: one batched call per entry length (the one-token entries together), each entry's
+        # results at its own index of the step's.
+        at = [0] * len(entries)
         by_length: dict[int, list[int]] = {}
-        for i, c in enumerate(chunks):
-            by_length.setdefault(len(c.ids), []).append(i)
+        for i, e in enumerate(entries):
+            by_length.setdefault(len(e[0]), []).append(i)
+        greedy_parts, logit_parts = [], []
         for idx in by_length.values():
-            full = any(wanted[i] > 1 for i in idx)
-            greedy, logits = self._run([list(chunks[i].ids) for i in idx], [chunks[i].start for i in idx],
-                                       [chunks[i].slot for i in idx], all_logits=full)
-            if full:  # [B, T, V]: every position's argmax, then the rows' logits as [B * T, V]
-                T = len(chunks[idx[0]].ids)
-                greedy = self._argmax(logits).reshape(-1)
-                logits = logits.reshape(len(idx) * T, 1, -1)
-            else:
-                T = 1
-                greedy = self._to_host(greedy).reshape(-1)
+            greedy, logits = self._run([list(entries[i][0]) for i in idx], [entries[i][1] for i in idx],
+                                       [entries[i][2] for i in idx], all_logits=False)
+            base = sum(len(p) for p in greedy_parts)
             for j, i in enumerate(idx):
-                end = (j + 1) * T
-                results[i] = self._yield(chunks[i], greedy[end - wanted[i]:end], logits, range(end - wanted[i], end))
-        return results
+                at[i] = base + j
+            greedy_parts.append(self._to_host(greedy).reshape(-1))
+            logit_parts.append(logits)
+        greedy = np.concatenate(greedy_parts)
+        logits = logit_parts[0] if len(logit_parts) == 1 else self._concat(logit_parts)
+        return [self._yield(c, greedy, logits, [at[i] for i in span]) for c, span in zip(chunks, spans, strict=True)]
 
-    def _argmax(self, logits: Any) -> np.ndarray:
-        return self._to_host(logits.argmax(-1))
+    def _concat(self, parts: list[Any]) -> Any:
+        """Logits [B_i, 1, V] of several calls as one [sum B_i, 1, V] (torch tensors; XLA's sessions override)."""
+        return torch.cat(parts)
 
-    def _yield(self, chunk: Chunk, greedy: np.ndarray, logits: Any, rows: range) -> list[int]:
-        """What `chunk` yields from its positions' greedy tokens and the logits rows `rows` ([N, 1, V])."""
+    def _yield(self, chunk: Chunk, greedy: np.ndarray, logits: Any, rows: Sequence[int]) -> list[int]:
+        """What `chunk` yields from its entries' rows `rows` of the step's greedy tokens and logits [E, 1, V]."""
         if chunk.draft is None:
             if chunk.sampler is None or chunk.sampler.greedy:
-                return [int(greedy[-1])]
+                return [int(greedy[rows[-1]])]
             return [self._sample(logits, rows[-1], chunk.sampler)]
         mine = self._logit_rows(logits, rows) if chunk.sampler is not None and not chunk.sampler.greedy else None
-        return judge(chunk.sampler, chunk.draft, [int(t) for t in greedy], mine)
+        return judge(chunk.sampler, chunk.draft, [int(greedy[r]) for r in rows], mine)
 
-    def _logit_rows(self, logits: Any, rows: range) -> Any:
-        """Logits rows [N, 1, V] -> a torch tensor [len(rows), V] of those rows."""
-        return logits[rows.start:rows.stop, -1]
+    def _logit_rows(self, logits: Any, rows: Sequence[int]) -> Any:
+        """The logits of entries `rows` as a torch tensor [len(rows), V]."""
+        return logits[list(rows), -1]

@@ -191,15 +191,17 @@ class Speculation:
     def length(self) -> DraftLength:
         return DraftLength(self.most, self.draft_cost, self.adaptive)
 
-
-def check_same_tokenizer(target_vocab: dict[str, int], draft_vocab: dict[str, int], draft_name: str) -> None:
-    """A draft must spell tokens as the target does: the same id for every token both have."""
-    shared = target_vocab.keys() & draft_vocab.keys()
-    differ = [t for t in shared if target_vocab[t] != draft_vocab[t]]
-    if differ or len(shared) < 0.99 * min(len(target_vocab), len(draft_vocab)):
-        raise InputError(f"the draft model {draft_name} has another tokenizer than the target "
-                         f"({len(differ) or len(target_vocab.keys() ^ draft_vocab.keys())} tokens differ)",
-                         hint="a draft must share the target's tokenizer (same family, e.g. Qwen3-0.6B for Qwen3-4B)")
+    def propose(self, rows: Sequence[tuple[int, Sequence[int], int, Sampler | None]],
+                vocab_size: int) -> list[Draft | None]:
+        """The proposer's drafts, each cut before its first token the target has no embedding for
+        (a draft's vocabulary may be padded past the target's)."""
+        out = []
+        for draft in self.proposer.propose(rows):
+            n = next((i for i, t in enumerate(draft.tokens) if not 0 <= t < vocab_size), None) if draft else None
+            if draft is not None and n is not None:
+                draft = Draft(draft.tokens[:n], None if draft.probs is None else draft.probs[:n]) if n else None
+            out.append(draft)
+        return out
 
 
 def draft_cost(draft_bytes: float, target_bytes: float) -> float:

@@ -20,8 +20,8 @@ dispatch (`LINNET_CPU_LEVEL` forces a lower one):
 
 The kernels:
 
-- `gemv_bf16`, `gemv_f16`, `gemv_f32`: matrix-vector products for one or two token rows. At batch 1 a
-  decode step reads every weight once; these stream it one weight row at a time (a plain read's
+- `gemv_bf16`, `gemv_f16`, `gemv_f32`: matrix-vector products for a few token rows (decode steps and
+  speculative checks; 8 rows a pass, each row's sums its own). At batch 1 a decode step reads every weight once; these stream it one weight row at a time (a plain read's
   speed), bfloat16 with the ISA's pair dot product as ggml's (AVX-512 BF16, ARM bf16; widened
   elsewhere), float16 widened to float32 in registers.
 - `quant_linear`: activations times weights held as GGUF q8_0 / q4_0 blocks (quant.py), as llama.cpp

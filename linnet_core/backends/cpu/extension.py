@@ -59,7 +59,7 @@ def why_not() -> str:
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias); the kernel for one or two bf16 token rows, F.linear otherwise."""
+    """x @ weight.T (+ bias); the kernel for a few bf16 token rows, F.linear for prompts."""
     ext = extension()
     if ext is None:
         return F.linear(x, weight, bias)

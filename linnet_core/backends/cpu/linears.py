@@ -144,7 +144,7 @@ class PackedLinear(CpuLinear):
 
 
 class DecodeLinear(CpuLinear):
-    """A bfloat16 weight kept as mapped (no copy): Linnet's own kernel for decode's one or two rows,
+    """A bfloat16 weight kept as mapped (no copy): Linnet's own kernel for decode's few rows,
     F.linear for prefill."""
 
     def __init__(self, weight: torch.Tensor, handle: int):

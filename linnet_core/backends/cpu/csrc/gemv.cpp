@@ -1,5 +1,5 @@
-// y [M, N] = x [M, K] @ w [N, K].T for 16-bit and float32 w, for the one or two token rows of a decode
-// step. Decode is bound by reading w. One weight row at a time, as ggml does: each thread's rows are
+// y [M, N] = x [M, K] @ w [N, K].T for 16-bit and float32 w, for the few token rows of a decode (or
+// speculative) step. Decode is bound by reading w. One weight row at a time, as ggml does: each thread's rows are
 // then one contiguous stream, which the hardware prefetcher follows to a plain read's speed (8 rows
 // at once, 8 streams a row apart, streamed ~20% slower here). Two accumulators per token row keep two
 // dot products in flight. bfloat16: the ISA's pair dot product where it has one (vec.h's dot_bf16).
@@ -68,22 +68,40 @@ void gemv(const typename T::W* x, const typename T::W* w, int64_t K, int64_t N, 
   });
 }
 
-// The product for x [..., K] of one or two rows in w's dtype, computed in float32 and rounded once
-// (written in that dtype here: a separate .to() cost ~6 us a call, 33 calls a 191M step).
+// Token rows one pass over w takes: each row keeps its own two accumulators (16 vectors at 8 rows,
+// inside AVX-512's 32 registers), so a row's sums are the same whichever rows run beside it.
+constexpr int64_t ROWS_PER_PASS = 8;
+
+template <class T>
+void gemv_rows(const typename T::W* x, const typename T::W* w, int64_t K, int64_t N, int64_t M, typename T::W* y) {
+  switch (M) {
+    case 1: return gemv<T, 1>(x, w, K, N, y);
+    case 2: return gemv<T, 2>(x, w, K, N, y);
+    case 3: return gemv<T, 3>(x, w, K, N, y);
+    case 4: return gemv<T, 4>(x, w, K, N, y);
+    case 5: return gemv<T, 5>(x, w, K, N, y);
+    case 6: return gemv<T, 6>(x, w, K, N, y);
+    case 7: return gemv<T, 7>(x, w, K, N, y);
+    default: return gemv<T, 8>(x, w, K, N, y);
+  }
+}
+
+// The product for x [..., K] of a few rows in w's dtype, computed in float32 and rounded once
+// (written in that dtype here: a separate .to() cost ~6 us a call, 33 calls a 191M step). Each row's
+// result is the one it gets alone, so a speculative step's rows are computed as decode computes them.
 template <class T>
 torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, at::ScalarType dtype, const char* name) {
   TORCH_CHECK(x.scalar_type() == dtype && w.scalar_type() == dtype, name, ": ", dtype, " x and w");
   TORCH_CHECK(w.is_contiguous() && w.dim() == 2, name, ": contiguous 2-d w");
   const int64_t K = w.size(1), N = w.size(0), M = x.numel() / K;
-  TORCH_CHECK(K % T::STEP == 0 && x.size(-1) == K && (M == 1 || M == 2), name, ": K % ", T::STEP,
-              " == 0, 1 or 2 rows");
+  TORCH_CHECK(K % T::STEP == 0 && x.size(-1) == K && M >= 1, name, ": K % ", T::STEP, " == 0, at least 1 row");
   const auto xs = x.reshape({M, K}).contiguous();
   auto y = torch::empty({M, N}, x.options());
   const auto* xp = static_cast<const typename T::W*>(xs.data_ptr());
   const auto* wp = static_cast<const typename T::W*>(w.data_ptr());
   auto* yp = static_cast<typename T::W*>(y.data_ptr());
-  if (M == 1) gemv<T, 1>(xp, wp, K, N, yp);
-  else gemv<T, 2>(xp, wp, K, N, yp);
+  for (int64_t m = 0; m < M; m += ROWS_PER_PASS)
+    gemv_rows<T>(xp + m * K, wp, K, N, std::min(ROWS_PER_PASS, M - m), yp + m * N);
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   return y.view(sizes);

@@ -11,6 +11,10 @@
 #include <mutex>
 #include <unordered_map>
 
+// Token rows up to which a bf16 or float32-row linear runs Linnet's GEMV (two passes over w at most):
+// a decode step's rows, or a speculative check's (k + 1 per row), each row's result its own alone.
+constexpr int64_t GEMV_MAX_ROWS = 16;
+
 torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor gemv_f16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor gemm_f16(const torch::Tensor& x, const torch::Tensor& w);
@@ -56,14 +60,15 @@ const Kernel& kernel(int64_t handle, std::initializer_list<int64_t> kinds) {
 torch::Tensor row_linear(const torch::Tensor& x, const torch::Tensor& w) {
   const int64_t K = x.size(-1), rows = x.numel() / K;
   if (K % 16 != 0 || rows == 0 || x.scalar_type() != w.scalar_type()) return at::linear(x, w);
-  if (w.scalar_type() == at::kFloat) return rows <= 2 ? gemv_f32(x, w) : at::linear(x, w);
+  if (w.scalar_type() == at::kFloat) return rows <= GEMV_MAX_ROWS ? gemv_f32(x, w) : at::linear(x, w);
   return rows <= 2 ? gemv_f16(x, w) : gemm_f16(x, w);
 }
 
-// x [..., K] @ w.T for bfloat16 w [N, K]: Linnet's GEMV for one or two bf16 rows, F.linear otherwise.
+// x [..., K] @ w.T for bfloat16 w [N, K]: Linnet's GEMV for up to GEMV_MAX_ROWS bf16 rows (decode,
+// speculative checks: each row computed as alone), F.linear for prompts.
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w) {
   const int64_t K = x.size(-1), rows = x.numel() / K;
-  const bool gemv = x.scalar_type() == at::kBFloat16 && K % 32 == 0 && (rows == 1 || rows == 2);
+  const bool gemv = x.scalar_type() == at::kBFloat16 && K % 32 == 0 && rows >= 1 && rows <= GEMV_MAX_ROWS;
   return gemv ? gemv_bf16(x.contiguous(), w) : at::linear(x, w);
 }
 
