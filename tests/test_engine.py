@@ -105,14 +105,14 @@ def test_a_failing_step_fails_only_its_culprit(model, monkeypatch):
     whose chunk fails ends with an error; its neighbours finish as if nothing happened."""
     batched, alone, tok = model
     poison = 377
-    real = batched.step
+    real = batched.step_tokens
 
     def step(chunks):
         if any(poison in c.ids for c in chunks):
             raise RuntimeError("device fault")
         return real(chunks)
 
-    monkeypatch.setattr(batched, "step", step)
+    monkeypatch.setattr(batched, "step_tokens", step)
     engine = Engine(batched, tok)
     good = [engine.submit(GenerationRequest([5 + i, 6, 7], 6, ignore_eos=True)) for i in range(2)]
     engine.step()  # the good ones are decoding when the bad one's prompt arrives

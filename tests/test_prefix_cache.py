@@ -216,13 +216,13 @@ def test_a_step_with_decoding_rows_keeps_to_the_budget(model, monkeypatch):
     engine = Engine(batched, None, prefill_chunk=32)
     monkeypatch.setattr(engine.budget, "prompt_tokens", lambda decoding, *_: 5 if decoding else 32)
     seen = []
-    real = batched.step
+    real = batched.step_tokens
 
     def step(chunks):
         seen.append(chunks)
         return real(chunks)
 
-    monkeypatch.setattr(batched, "step", step)
+    monkeypatch.setattr(batched, "step_tokens", step)
     reqs = [GenerationRequest(list(range(10 + i, 50 + i)), 8, ignore_eos=True) for i in range(5)]
     handles = [engine.submit(r) for r in reqs]
     drain(engine)
@@ -239,13 +239,13 @@ def test_a_step_with_decoding_rows_keeps_to_the_budget(model, monkeypatch):
 
 def _recording(batched, monkeypatch) -> list:
     """The chunks of every step the session runs from now on."""
-    seen, real = [], batched.step
+    seen, real = [], batched.step_tokens
 
     def step(chunks):
         seen.append([(len(c.ids), c.start, c.slot) for c in chunks])
         return real(chunks)
 
-    monkeypatch.setattr(batched, "step", step)
+    monkeypatch.setattr(batched, "step_tokens", step)
     return seen
 
 
@@ -300,18 +300,18 @@ def test_requests_arriving_together_compute_their_shared_prefix_once(model):
     system = SYSTEM + list(range(200, 240))  # 73 tokens
     reqs = [GenerationRequest(system + [300 + i, 301], 4, seeded(i), ignore_eos=True) for i in range(3)]
     computed = []
-    real = batched.step
+    real = batched.step_tokens
 
     def step(chunks):
         computed.append(sum(len(c.ids) for c in chunks if len(c.ids) > 1 or c.start < len(system)))
         return real(chunks)
 
-    batched.step = step
+    batched.step_tokens = step
     try:
         handles = [engine.submit(r) for r in reqs]
         drain(engine)
     finally:
-        del batched.step
+        del batched.step_tokens
     for r, h in zip(reqs, handles, strict=True):
         assert h.result()[1] == run_alone(alone, r.prompt, 4, r.sampling)
     # The prefix once (but a tail shorter than MIN_COPY, which the others compute beside it), then each

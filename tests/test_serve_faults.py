@@ -237,7 +237,7 @@ def test_a_failing_step_does_not_move_other_rows_seeded_streams(sessions):
     """A step that fails is rerun row by row; the rows that already sampled draw the same again."""
     session, alone, tok = sessions
     engine = Engine(session, tok, prefill_chunk=32)
-    step = session.step
+    step = session.step_tokens
     fail_slots = set()
 
     def flaky(chunks):
@@ -249,7 +249,7 @@ def test_a_failing_step_does_not_move_other_rows_seeded_streams(sessions):
     sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
     handles = [engine.submit(GenerationRequest(p, 10, sampling, ignore_eos=True)) for p in prompts]
     bad = engine.submit(GenerationRequest(prompts[0], 10, sampling, ignore_eos=True))
-    session.step = flaky
+    session.step_tokens = flaky
     try:
         for i in range(30):
             if i == 3:  # the third request's row fails from its fourth step on
@@ -257,7 +257,7 @@ def test_a_failing_step_does_not_move_other_rows_seeded_streams(sessions):
             if not engine.step():
                 break
     finally:
-        session.step = step
+        session.step_tokens = step
     assert bad.result()[2] == "error"
     for p, h in zip(prompts, handles, strict=True):
         assert h.result()[1] == alone_ids(alone, p, 10, sampling)

@@ -216,3 +216,37 @@ def test_a_draft_on_another_backend_and_dtype(checkpoints):
     plain = list(Generation(target, PROMPT, NEW))
     gen = Generation(target, PROMPT, NEW, speculation=Speculation(DraftModel(drafting), 4))
     assert list(gen) == plain and gen.speculative.accepted > 0
+
+
+@pytest.mark.parametrize("backend", ["torch"] + ["onnxruntime"] * HAVE["onnxruntime"])
+def test_speculative_rows_beside_plain_rows_get_what_they_get_alone(backend, tokenized_checkpoints):
+    """The engine's batched-equals-alone, with speculative rows (a draft model, and prompt lookup)
+    beside plain ones (draft_tokens 0): greedy rows as the plain run, sampled and penalised rows as the
+    same request speculating alone; drafts checked and counted in the metrics."""
+    from linnet_core.serve.engine import Engine, GenerationRequest
+    from test_engine import requests
+
+    path = tokenized_checkpoints["qwen2-bias-tied"]
+    batched, _ = load_model(path, backend, "float32", 96, rows=4)
+    drafting, _ = load_model(path, backend, "float32", 96, rows=4)
+    alone, _ = load_model(path, backend, "float32", 96, rows=1)
+    drafting_alone, _ = load_model(path, backend, "float32", 96, rows=1)
+    for proposer, proposer_alone in ((DraftModel(drafting), DraftModel(drafting_alone)), (PromptLookup(1), PromptLookup(1))):
+        spec = Speculation(proposer, 3)
+        reqs = [GenerationRequest(r.prompt, r.max_tokens, r.sampling, ignore_eos=True, draft_tokens=[None, 0, 2][i % 3])
+                for i, r in enumerate(requests(12, seed=5))]
+        engine = Engine(batched, None, prefill_chunk=16, speculation=spec).start()
+        try:
+            results = [h.result() for h in [engine.submit(r) for r in reqs]]
+        finally:
+            engine.stop()
+        for req, (_, ids, reason) in zip(reqs, results, strict=True):
+            assert reason == "length" and len(ids) == req.max_tokens
+            own = None if req.draft_tokens == 0 else Speculation(proposer_alone, min(3, req.draft_tokens or 3))
+            want = list(Generation(alone, req.prompt, req.max_tokens, Sampler(req.sampling, req.prompt),
+                                   speculation=own))
+            assert ids == want, req
+            if req.sampling.greedy and not req.sampling.shapes_scores:
+                assert ids == list(Generation(alone, req.prompt, req.max_tokens)), "greedy: the plain run"
+        m = engine.metrics
+        assert m.draft_checks > 0 and 0 <= m.draft_accepted <= m.draft_proposed

@@ -12,11 +12,16 @@ from linnet_core.serve.config import ServeConfig
 from linnet_core.serve.guard import ConnectionLimits, uvicorn_options
 
 from ..options import (
+    AdaptiveDraftOpt,
     BackendName,
     BackendOpt,
     BurstWaitOpt,
     CacheLenOpt,
     DecodeStallOpt,
+    DraftBackendOpt,
+    DraftDtypeOpt,
+    DraftOpt,
+    DraftTokensOpt,
     DtypeOpt,
     MaxWaitingOpt,
     OptionalModelArg,
@@ -24,6 +29,7 @@ from ..options import (
     PrefixCachingOpt,
     QuietOpt,
     RowsOpt,
+    SpeculateOpt,
 )
 from ..output import Sink, handle_errors
 
@@ -55,6 +61,12 @@ def serve_command(
     decode_stall: DecodeStallOpt = ServeConfig.decode_stall,
     burst_wait: BurstWaitOpt = ServeConfig.burst_wait_ms,
     prefix_caching: PrefixCachingOpt = ServeConfig.prefix_caching,
+    speculate: SpeculateOpt = None,
+    draft: DraftOpt = None,
+    draft_tokens: DraftTokensOpt = ServeConfig.draft_tokens,
+    adaptive_draft: AdaptiveDraftOpt = ServeConfig.adaptive_draft,
+    draft_backend: DraftBackendOpt = None,
+    draft_dtype: DraftDtypeOpt = ServeConfig.draft_dtype,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="On SIGTERM, seconds to let requests "
                                                  "in flight finish.")] = 30.0,
     name: Annotated[Optional[str], typer.Option("--name", help="Model name the API reports and expects.")] = None,
@@ -63,7 +75,8 @@ def serve_command(
     """Serve MODEL with continuous batching: POST /v1/completions and /v1/chat/completions (streamed
     with "stream": true), GET /v1/models, /health and /metrics (Prometheus)."""
     config = ServeConfig(model, backend.value, dtype, rows, cache_len, prefill_chunk, max_waiting, decode_stall,
-                         burst_wait, prefix_caching)
+                         burst_wait, prefix_caching, speculate, draft, draft_tokens, adaptive_draft,
+                         draft_backend.value if draft_backend else None, draft_dtype)
     try:
         import httptools  # noqa: F401 - the parser the connection guard runs on
         import uvicorn

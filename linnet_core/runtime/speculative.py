@@ -188,8 +188,9 @@ class Speculation:
         if not 1 <= self.most <= MAX_DRAFT_TOKENS:
             raise InputError(f"--draft-tokens must be in [1, {MAX_DRAFT_TOKENS}], got {self.most}")
 
-    def length(self) -> DraftLength:
-        return DraftLength(self.most, self.draft_cost, self.adaptive)
+    def length(self, most: int | None = None) -> DraftLength:
+        """A request's draft length: at most `most` (a request's own cap) and this speculation's."""
+        return DraftLength(min(most or self.most, self.most), self.draft_cost, self.adaptive)
 
     def propose(self, rows: Sequence[tuple[int, Sequence[int], int, Sampler | None]],
                 vocab_size: int) -> list[Draft | None]:

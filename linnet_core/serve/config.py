@@ -34,6 +34,13 @@ class ServeConfig:
     decode_stall: float = DECODE_STALL  # 0: no bound but prefill_chunk
     burst_wait_ms: float = BURST_WAIT_MS  # 0: admit each request at once
     prefix_caching: bool = True
+    # speculative decoding (linnet_core.speculation.SpeculationOptions): none unless one is named
+    speculate: str | None = None  # "ngram" or "draft"
+    draft: str | None = None  # the draft model; implies speculate = "draft"
+    draft_tokens: int = 4  # the most proposed per step (a request's `draft_tokens` may ask for fewer)
+    adaptive_draft: bool = True
+    draft_backend: str | None = None  # None: the target's
+    draft_dtype: str = "auto"
     spelling: str = field(default="cli", compare=False)  # how errors name a field: "cli" (--rows) or "triton"
 
     def __post_init__(self):
@@ -47,8 +54,11 @@ class ServeConfig:
         if not isinstance(self.burst_wait_ms, int | float) or not 0 <= self.burst_wait_ms <= 60_000:
             raise InputError(f"{self.option('burst_wait_ms')} must be 0 to 60000 milliseconds, "
                              f"got {self.burst_wait_ms!r}")
-        if not isinstance(self.prefix_caching, bool):
-            raise InputError(f"{self.option('prefix_caching')} must be true or false")
+        for name in ("prefix_caching", "adaptive_draft"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{self.option(name)} must be true or false")
+        if _not_int(self.draft_tokens) or not 1 <= self.draft_tokens <= 16:
+            raise InputError(f"{self.option('draft_tokens')} must be an integer from 1 to 16, got {self.draft_tokens!r}")
 
     def option(self, name: str) -> str:
         """The field as the face that configured it spells it."""
@@ -69,7 +79,14 @@ class ServeConfig:
                 "--prefill-chunk", str(self.prefill_chunk), "--max-waiting", str(self.max_waiting),
                 "--decode-stall", f"{self.decode_stall:g}", "--burst-wait", f"{self.burst_wait_ms:g}",
                 "--prefix-caching" if self.prefix_caching else "--no-prefix-caching"]
-        return args + (["--cache-len", str(self.cache_len)] if self.cache_len else [])
+        args += ["--cache-len", str(self.cache_len)] if self.cache_len else []
+        args += ["--speculate", self.speculate] if self.speculate else []
+        args += ["--draft", self.draft, "--draft-dtype", self.draft_dtype] if self.draft else []
+        args += ["--draft-backend", self.draft_backend] if self.draft_backend else []
+        if self.speculate or self.draft:
+            args += ["--draft-tokens", str(self.draft_tokens),
+                     "--adaptive-draft" if self.adaptive_draft else "--fixed-draft"]
+        return args
 
     def to_parameters(self) -> dict[str, str]:
         """Every field as a Triton model parameter (`linnet_<field>`: string values, as config.pbtxt holds them)."""
@@ -94,7 +111,7 @@ class ServeConfig:
                 raise InputError(f"unknown parameter '{key}' (Linnet's are: "
                                  f"{', '.join(TRITON_PREFIX + n for n in known)})")
             default = getattr(cls, name)
-            value = _parse(key, text, type(default) if default is not None else str if name == "model" else int)
+            value = _parse(key, text, type(default) if default is not None else int if name == "cache_len" else str)
             if value is not None:  # empty (or a cache length of 0): the default
                 values[name] = value
         return cls(**values, spelling="triton")

@@ -11,6 +11,10 @@ only the rest. A request that finishes, stops or is cancelled frees its row at o
 computation is its own (the backends' batched steps are tested row-by-row against the row alone), so
 a greedy answer does not depend on the load.
 
+With speculative decoding (an `Engine(speculation=...)`), each decoding row first gets a draft from
+the proposer (a draft model's steps batched over the rows), and the step checks every draft beside
+the plain rows and prompt chunks: a row then advances by the accepted tokens and one of its own.
+
 A fault is contained: a request whose output handling fails ends alone with finish reason "error"; a
 step that fails is rerun one row at a time (the samplers' generators rewound first, so no other
 row's seeded stream moves); anything else ends every request in flight and marks the engine
@@ -35,6 +39,7 @@ import torch
 from ..errors import InputError
 from ..runtime.sampling import Sampler, SamplingParams, TokenLogprobs, logprobs_at
 from ..runtime.session import Chunk, Session
+from ..runtime.speculative import Speculation
 from ..runtime.threads import release_openmp_pool
 from ..tokenizer import IncrementalDecoder, Tokenizer
 from .config import BURST_WAIT_CAP, BURST_WAIT_MS, DECODE_STALL, ServeConfig
@@ -70,6 +75,7 @@ class GenerationRequest:
     # prefix cache, sent in one delta before the first token; max_tokens may then be 0 (scoring only)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True  # False: special tokens are text too (a tool-call marker that is one)
+    draft_tokens: int | None = None  # speculative decoding: at most this many proposed a step (0: none; None: the server's)
 
     def __post_init__(self):
         # The engine's thread trusts these types; a face that builds a request wrongly fails here.
@@ -82,6 +88,9 @@ class GenerationRequest:
             raise InputError("max_tokens must be an integer")
         if not isinstance(self.sampling, SamplingParams):
             raise InputError("sampling must be SamplingParams")
+        if self.draft_tokens is not None and (isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int)
+                                              or self.draft_tokens < 0):
+            raise InputError("draft_tokens must be an integer of at least 0")
 
 
 @dataclass
@@ -196,7 +205,8 @@ BURST_WAIT = (BURST_WAIT_MS / 1000, BURST_WAIT_CAP * BURST_WAIT_MS / 1000)
 class _Active:
     """A request in a cache row: where its prompt is, what it has produced, what is held back."""
 
-    def __init__(self, handle: Handle, row: int, tokenizer: Tokenizer | None, reused: int = 0):
+    def __init__(self, handle: Handle, row: int, tokenizer: Tokenizer | None, reused: int = 0,
+                 speculation: Speculation | None = None):
         self.handle, self.row = handle, row
         self.sampler = Sampler(handle.request.sampling, handle.request.prompt)
         self.prefilled = reused  # prompt tokens already in the cache (a prefix found there counts)
@@ -208,6 +218,9 @@ class _Active:
         self.scoring = handle.request.prompt_logprobs is not None
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.carry = None  # log-probabilities after the last prompt chunk scored: its next token's
+        wanted = handle.request.draft_tokens
+        self.draft_length = None if speculation is None or wanted == 0 else speculation.length(wanted)
+        self.output: list[int] = []  # the tokens emitted (the proposer reads the prompt and these)
 
 
 class Engine:
@@ -216,8 +229,10 @@ class Engine:
 
     def __init__(self, session: Session, tokenizer: Tokenizer | None = None, eos_ids: set[int] | None = None,
                  prefill_chunk: int = 256, max_waiting: int = 1024, prefix_caching: bool = True,
-                 decode_stall: float | None = DECODE_STALL, burst_wait: tuple[float, float] = BURST_WAIT):
+                 decode_stall: float | None = DECODE_STALL, burst_wait: tuple[float, float] = BURST_WAIT,
+                 speculation: Speculation | None = None):
         self.session, self.tokenizer = session, tokenizer
+        self.speculation = speculation
         self.burst_wait = burst_wait
         self.rows, self.cache_len = session.rows, session.cache_len
         self.eos_ids = set(eos_ids if eos_ids is not None else (tokenizer.eos_ids if tokenizer else ()))
@@ -236,9 +251,9 @@ class Engine:
 
     @classmethod
     def from_config(cls, session: Session, tokenizer: Tokenizer | None, config: ServeConfig,
-                    eos_ids: set[int] | None = None) -> Engine:
+                    eos_ids: set[int] | None = None, speculation: Speculation | None = None) -> Engine:
         """The engine as `config` schedules it (its rows and cache length are the session's)."""
-        return cls(session, tokenizer, eos_ids, **config.engine_options())
+        return cls(session, tokenizer, eos_ids, **config.engine_options(), speculation=speculation)
 
     @property
     def stopping(self) -> bool:
@@ -312,7 +327,7 @@ class Engine:
         if not self._active:
             return False
         decoding = [a for a in self._active.values() if a.last is not None]
-        work = [(a, Chunk([a.last], a.position, a.row, a.sampler)) for a in decoding]
+        work = self._decode_chunks(decoding)
         prefilling = [a for a in self._active.values() if a.last is None]
         work += self._prompt_chunks(self.budget.prompt_tokens(
             len(decoding), len(prefilling), max((self._steps_left(a) for a in decoding), default=None),
@@ -335,7 +350,7 @@ class Engine:
             self._free.remove(row)
         with self.metrics.lock:
             self.metrics.admitted(len(handle.request.prompt), reused)
-        self._active[row] = _Active(handle, row, self.tokenizer, reused)
+        self._active[row] = _Active(handle, row, self.tokenizer, reused, self.speculation)
 
     def _catch_up(self, a: _Active) -> None:
         """Copy the positions of `a`'s prompt that another row has filled since `a` took its row."""
@@ -352,6 +367,26 @@ class Engine:
         with self.metrics.lock:
             self.metrics.caught_up(first=not a.found_prefix, tokens=n - a.prefilled)
         a.prefilled, a.found_prefix = n, True
+
+    def _decode_chunks(self, decoding: list[_Active]) -> list[tuple[_Active, Chunk]]:
+        """Each decoding row's chunk: its last token, then the proposer's draft where it has one."""
+        rows, plans = [], {}
+        for a in decoding:
+            if a.draft_length is not None:
+                # a check of k proposals yields up to k + 1 tokens and writes k + 1 positions
+                k = min(a.draft_length.next(), self._steps_left(a) - 1, self.cache_len - a.position - 1)
+                if k > 0:
+                    plans[a.row] = len(rows)
+                    rows.append((a.row, a.handle.request.prompt + a.output, k, a.sampler))
+        drafts = self.speculation.propose(rows, self.session.vocab_size) if rows else []
+        work = []
+        for a in decoding:
+            draft = drafts[plans[a.row]] if a.row in plans else None
+            if draft is not None and draft.tokens:
+                work.append((a, Chunk([a.last, *draft.tokens], a.position, a.row, a.sampler, draft)))
+            else:
+                work.append((a, Chunk([a.last], a.position, a.row, a.sampler)))
+        return work
 
     def _steps_left(self, a: _Active) -> int:
         """Steps until decoding row `a` ends at the latest (its max_tokens, or the cache's end)."""
@@ -388,7 +423,7 @@ class Engine:
         rewind = [a.sampler.snapshot() for a, _ in work]
         started = time.perf_counter()
         try:
-            tokens = self.session.step([c for _, c in work])
+            yielded = self.session.step_tokens([c for _, c in work])
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
             if len(work) > 1:  # rerun one by one (a step's cache writes are idempotent): only the culprit fails
                 for (a, _), state in zip(work, rewind, strict=True):
@@ -399,23 +434,33 @@ class Engine:
             log.error("a step failed for request %d: %s: %s", work[0][0].handle.id, type(e).__name__, e)
             self._finish(work[0][0], "error", "the model step failed for this request (the server log says why)")
             return
-        decoding = sum(1 for a, c in work if len(c.ids) == 1 and a.last is not None)
+        decoding = sum(len(c.ids) for a, c in work if a.last is not None)  # a draft's check runs as decode rows
         self.budget.observe(sum(len(c.ids) for _, c in work) - decoding, decoding, time.perf_counter() - started)
-        for (a, chunk), token in zip(work, tokens, strict=True):
+        for (a, chunk), tokens in zip(work, yielded, strict=True):
             try:
-                logprobs = a.sampler.take_logprobs() if chunk.sampler is not None else None
-                if len(chunk.ids) == 1 and a.last is not None:  # a decode step
-                    a.position += 1
-                    self._emit(a, token, logprobs)
+                logprobs = a.sampler.take_all_logprobs() if chunk.sampler is not None else []
+                if a.last is not None:  # a decode step, or a draft's check: the row advances by what it yields
+                    if chunk.draft is not None:
+                        self._drafted(a, len(chunk.draft.tokens), len(tokens) - 1)
+                    for i, token in enumerate(tokens):
+                        a.position += 1
+                        self._emit(a, token, logprobs[i] if logprobs else None)
+                        if a.row not in self._active or self._active[a.row] is not a:
+                            break  # it finished (a stop, its length): the rest is dropped
                     continue
                 a.prefilled += len(chunk.ids)
                 if a.prefilled == len(a.handle.request.prompt):
                     a.position = a.prefilled
-                    self._emit(a, token, logprobs)
+                    self._emit(a, tokens[-1], logprobs[-1] if logprobs else None)
             except Exception as e:  # noqa: BLE001 - this request's output failed: it ends, the others go on
                 log.error("request %d failed: %s: %s", a.handle.id, type(e).__name__, e)
                 if a.row in self._active:
                     self._finish(a, "error", "the server failed to produce this request's output")
+
+    def _drafted(self, a: _Active, proposed: int, accepted: int) -> None:
+        a.draft_length.observe(proposed, accepted)
+        with self.metrics.lock:
+            self.metrics.drafted(proposed, accepted)
 
     def _score(self, a: _Active, chunk: Chunk) -> None:
         """A scored request's prompt chunk, alone and with every position's logits: the log-probability
@@ -456,6 +501,7 @@ class Engine:
         with self.metrics.lock:
             self.metrics.tokens_generated += 1
         a.last = token
+        a.output.append(token)
         text = a.held + (a.decoder.push(token) if a.decoder else "")
         lps = [logprobs] if logprobs is not None else []
         cut = _first_stop(text, req.stop)

@@ -261,7 +261,7 @@ def generation_request(fields: dict, prompt: list[int], *, default_max_tokens: i
     """A GenerationRequest from a face's fields: OpenAI's names (`max_tokens` or
     `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`, the penalties,
     `logit_bias`, `logprobs`/`top_logprobs`, `echo`, `stop`, `stop_token_ids`, `ignore_eos`, vLLM's
-    `skip_special_tokens`), every
+    `skip_special_tokens`; Linnet's `draft_tokens`, speculative decoding's cap for this request), every
     one checked; unsupported features refused by name (with `text_only`, also what needs more than
     one text back: choices, log-probabilities). A structured output (`grammar_spec`) is compiled by
     `compile_grammar` (None: the model has no tokenizer to compile it for), as is `tool_grammar`, the
@@ -290,4 +290,5 @@ def generation_request(fields: dict, prompt: list[int], *, default_max_tokens: i
             raise FieldError(f"'{param}': {e.message}", param) from None
     return GenerationRequest(prompt, max_tokens, params, stop_strings(fields), stop_token_ids(fields, vocab_size),
                              flag(fields, "ignore_eos"), prompt_logprobs=(params.logprobs or 0) if echo else None,
-                             skip_special_tokens=flag(fields, "skip_special_tokens", True))
+                             skip_special_tokens=flag(fields, "skip_special_tokens", True),
+                             draft_tokens=number(fields, "draft_tokens", None, 0, 16, integer=True))

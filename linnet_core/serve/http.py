@@ -378,6 +378,7 @@ class Server:
         with m.lock:  # a consistent view; fixed-size histograms, so the lock is held for microseconds
             counters = (m.requests_total, m.tokens_generated, dict(m.finished_by_reason))
             prefix = (m.prompt_tokens, m.prefix_queries, m.prefix_hits, m.prefix_reused_tokens)
+            drafts = (m.draft_proposed, m.draft_accepted, m.draft_checks)
             histograms = (m.ttft.render("linnet_time_to_first_token_seconds", "Time to first token."),
                           m.inter_token.render("linnet_inter_token_seconds", "Time between tokens."))
         total, generated, reasons = counters
@@ -407,6 +408,13 @@ class Server:
             "# HELP linnet_prefix_cache_reused_tokens_total Prompt positions taken from the cache, not computed.",
             "# TYPE linnet_prefix_cache_reused_tokens_total counter",
             f"linnet_prefix_cache_reused_tokens_total {prefix[3]}",
+            "# HELP linnet_spec_decode_draft_tokens_total Tokens proposed by speculative decoding.",
+            "# TYPE linnet_spec_decode_draft_tokens_total counter", f"linnet_spec_decode_draft_tokens_total {drafts[0]}",
+            "# HELP linnet_spec_decode_accepted_tokens_total Proposed tokens the model kept.",
+            "# TYPE linnet_spec_decode_accepted_tokens_total counter",
+            f"linnet_spec_decode_accepted_tokens_total {drafts[1]}",
+            "# HELP linnet_spec_decode_checks_total Drafts checked (a row's step over its proposed tokens).",
+            "# TYPE linnet_spec_decode_checks_total counter", f"linnet_spec_decode_checks_total {drafts[2]}",
         ]
         for h in histograms:
             lines += h

@@ -51,6 +51,13 @@ class EngineMetrics:
         self.ttft = Histogram()
         self.inter_token = Histogram()
         self.prompt_tokens = self.prefix_queries = self.prefix_hits = self.prefix_reused_tokens = 0
+        self.draft_proposed = self.draft_accepted = self.draft_checks = 0  # speculative decoding
+
+    def drafted(self, proposed: int, accepted: int) -> None:
+        """A row's draft was checked: `accepted` of its `proposed` tokens kept (call under the lock)."""
+        self.draft_proposed += proposed
+        self.draft_accepted += accepted
+        self.draft_checks += 1
 
     def admitted(self, prompt_tokens: int, reused: int) -> None:
         """A request took a row, `reused` of its prompt's positions found cached (call under the lock)."""
