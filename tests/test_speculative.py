@@ -250,3 +250,36 @@ def test_speculative_rows_beside_plain_rows_get_what_they_get_alone(backend, tok
                 assert ids == list(Generation(alone, req.prompt, req.max_tokens)), "greedy: the plain run"
         m = engine.metrics
         assert m.draft_checks > 0 and 0 <= m.draft_accepted <= m.draft_proposed
+
+
+def test_a_speculating_server_answers_the_openai_client(tokenized_checkpoints):
+    """`linnet serve --speculate ngram` as the openai SDK calls it: the greedy answer is the plain
+    run's, `draft_tokens` (extra_body) caps or turns off one request's drafts, and /metrics counts them."""
+    import httpx
+    import openai
+
+    from linnet_core.serve.config import ServeConfig
+    from linnet_core.serve.http import Limits, Server, create_app
+    from linnet_core.serve.launch import launch
+    from server_fixtures import app_in_thread
+
+    path = tokenized_checkpoints["qwen3-headdim128"]
+    served = launch(ServeConfig(str(path), cache_len=96, rows=2, speculate="ngram", draft_tokens=4))
+    alone, _ = load_model(path, "torch", "float32", 96)
+    prompt = "one two three four one two three four one two"
+    want = served.tokenizer.decode(list(Generation(alone, served.tokenizer.encode(prompt), 24)))
+    served.engine.start()
+    try:
+        with app_in_thread(create_app(Server(served.engine, served.tokenizer, "tiny", Limits(max_tokens=96)))) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+            for extra in ({}, {"draft_tokens": 2}, {"draft_tokens": 0}):
+                r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                              extra_body={"ignore_eos": True, **extra})
+                assert r.choices[0].text == want, extra
+            with pytest.raises(openai.BadRequestError, match="draft_tokens"):
+                client.completions.create(model="tiny", prompt=prompt, max_tokens=4, extra_body={"draft_tokens": 99})
+            metrics = httpx.get(url + "/metrics").text
+    finally:
+        served.engine.stop()
+    checks = int(next(l.split()[-1] for l in metrics.splitlines() if l.startswith("linnet_spec_decode_checks_total")))
+    assert checks > 0 and "linnet_spec_decode_accepted_tokens_total" in metrics
