@@ -42,6 +42,14 @@ SEEDS = {
         use_sliding_window=False, tie_word_embeddings=True, vocab_size=151936, hidden_act="silu",
         attention_bias=False,
     ), "qwen2"),
+    # the draft for qwen3-4b in the speculative-decoding bench: the same tokenizer and vocabulary
+    "qwen3-0.6b": ("Qwen3Config", dict(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, max_window_layers=28,
+        rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=1000000.0), sliding_window=None,
+        use_sliding_window=False, tie_word_embeddings=True, vocab_size=151936, hidden_act="silu",
+        attention_bias=False,
+    ), "qwen2"),
     "mistral-7b-instruct-v0.3": ("MistralConfig", dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-5,
