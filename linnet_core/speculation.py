@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from .bench.machine import decode_bytes_per_step
 from .compile import Compiled, Model, load_model, open_model
 from .errors import InputError
 from .runtime.session import Session
@@ -72,6 +73,4 @@ def check_same_tokenizer(target: Model, draft: Model) -> None:
 
 
 def _step_bytes(m: Model, dtype: str) -> float:
-    from .bench.machine import decode_bytes_per_step  # builds the graph: only when a draft model is used
-
     return decode_bytes_per_step(m.spec, dtype, 0.0, 1)
