@@ -39,10 +39,9 @@ class RaggedLayout:
 
 
 def ragged_layout(ids: Sequence[Sequence[int]], start: Sequence[int], slots: Sequence[int],
-                  all_logits: bool | Sequence[bool] = False) -> RaggedLayout:
+                  all_logits: bool = False) -> RaggedLayout:
     """Entries of any lengths as one ragged step; logits for each entry's last token, in the
-    entries' order (for every token, in layout order, when all_logits is True; for every token of
-    the entries it marks, in the entries' order, when it is a list)."""
+    entries' order (for every token, in layout order, when all_logits)."""
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]) > 1)  # stable: equal kinds keep their order
     first, n = {}, 0
     for i in order:
@@ -61,7 +60,5 @@ def ragged_layout(ids: Sequence[Sequence[int]], start: Sequence[int], slots: Seq
         p_index=[[first[i] + min(k, len(ids[i]) - 1) for k in range(tp)] for i in chunks],
         p_pack=[j * tp + k for j, i in enumerate(chunks) for k in range(len(ids[i]))],
         p_kv_len=max([start[i] + len(ids[i]) for i in chunks], default=1),
-        logits_index=list(range(n)) if all_logits is True else
-        [first[i] + k for i in range(len(ids))
-         for k in (range(len(ids[i])) if all_logits and all_logits[i] else [len(ids[i]) - 1])],
+        logits_index=list(range(n)) if all_logits else [first[i] + len(ids[i]) - 1 for i in range(len(ids))],
     )
