@@ -216,3 +216,13 @@ def test_inductor_from_the_engine_thread_compiles_every_bucket(tokenized_checkpo
     finally:
         engine.stop()
     assert all(reason == "length" and len(ids) == 6 for _, ids, reason in results), results
+
+
+def test_a_scored_prompt_is_followed_by_its_tokens_once(model):
+    """echo with max_tokens: the prompt scored, then the answer the request gets alone (the scored
+    chunk is not run again as a decode step: that emitted its first token twice)."""
+    batched, alone, tok = model
+    engine = Engine(batched, tok)
+    params = SamplingParams(logprobs=2)
+    text, ids, reason = _drive(engine, GenerationRequest([5, 6, 7, 8], 5, params, ignore_eos=True, prompt_logprobs=2))
+    assert ids == run_alone(alone, [5, 6, 7, 8], 5, params) and reason == "length"

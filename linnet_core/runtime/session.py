@@ -216,7 +216,10 @@ class Session(ABC):
             greedy_parts.append(self._to_host(greedy).reshape(-1))
             logit_parts.append(logits)
         greedy = np.concatenate(greedy_parts)
-        logits = logit_parts[0] if len(logit_parts) == 1 else self._concat(logit_parts)
+        if not any(c.sampler is not None and not c.sampler.greedy for c in chunks):
+            logits = None  # every choice is the device's argmax: no logits are read
+        else:
+            logits = logit_parts[0] if len(logit_parts) == 1 else self._concat(logit_parts)
         return [self._yield(c, greedy, logits, [at[i] for i in span]) for c, span in zip(chunks, spans, strict=True)]
 
     def _concat(self, parts: list[Any]) -> Any:

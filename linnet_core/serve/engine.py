@@ -415,9 +415,9 @@ class Engine:
 
     def _run(self, work: list[tuple[_Active, Chunk]]) -> None:
         scored = [(a, c) for a, c in work if a.scoring and a.last is None]
+        work = [(a, c) for a, c in work if not (a.scoring and a.last is None)]  # before scoring sets a.last
         for a, chunk in scored:
             self._score(a, chunk)
-        work = [(a, c) for a, c in work if not (a.scoring and a.last is None)]
         if not work:
             return
         rewind = [a.sampler.snapshot() for a, _ in work]
