@@ -283,3 +283,18 @@ def test_a_speculating_server_answers_the_openai_client(tokenized_checkpoints):
         served.engine.stop()
     checks = int(next(l.split()[-1] for l in metrics.splitlines() if l.startswith("linnet_spec_decode_checks_total")))
     assert checks > 0 and "linnet_spec_decode_accepted_tokens_total" in metrics
+
+
+def test_a_failing_proposer_costs_its_drafts_not_the_server(float_target):
+    """The engine decodes plainly through a step whose drafts could not be made."""
+    from linnet_core.serve.engine import Engine, GenerationRequest
+
+    class Broken:
+        def propose(self, rows):
+            raise RuntimeError("draft session lost")
+
+    engine = Engine(float_target, None, speculation=Speculation(Broken(), 4))
+    h = engine.submit(GenerationRequest(PROMPT, 6, ignore_eos=True))
+    while not engine.idle():
+        engine.step()
+    assert h.result()[1] == list(Generation(float_target, PROMPT, 6)) and engine.healthy

@@ -378,7 +378,12 @@ class Engine:
                 if k > 0:
                     plans[a.row] = len(rows)
                     rows.append((a.row, a.handle.request.prompt + a.output, k, a.sampler))
-        drafts = self.speculation.propose(rows, self.session.vocab_size) if rows else []
+        drafts: list = [None] * len(rows)
+        if rows:
+            try:
+                drafts = self.speculation.propose(rows, self.session.vocab_size)
+            except Exception as e:  # noqa: BLE001 - a proposer's fault costs this step its drafts, not the server
+                log.error("proposing drafts failed: %s: %s", type(e).__name__, e)
         work = []
         for a in decoding:
             draft = drafts[plans[a.row]] if a.row in plans else None
