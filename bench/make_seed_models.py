@@ -42,14 +42,6 @@ SEEDS = {
         use_sliding_window=False, tie_word_embeddings=True, vocab_size=151936, hidden_act="silu",
         attention_bias=False,
     ), "qwen2"),
-    # the draft for qwen3-4b in the speculative-decoding bench: the same tokenizer and vocabulary
-    "qwen3-0.6b": ("Qwen3Config", dict(
-        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, max_window_layers=28,
-        rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=1000000.0), sliding_window=None,
-        use_sliding_window=False, tie_word_embeddings=True, vocab_size=151936, hidden_act="silu",
-        attention_bias=False,
-    ), "qwen2"),
     "mistral-7b-instruct-v0.3": ("MistralConfig", dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-5,
@@ -57,6 +49,11 @@ SEEDS = {
         tie_word_embeddings=False, vocab_size=32768, hidden_act="silu",
     ), "spm"),
 }
+# The draft for qwen3-4b in the speculative-decoding bench: Qwen3-0.6B's sizes, the rest (tokenizer,
+# vocabulary, rope, tied head) qwen3-4b's.
+SEEDS["qwen3-0.6b"] = ("Qwen3Config", {**SEEDS["qwen3-4b"][1], **dict(
+    hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, max_window_layers=28)},
+    "qwen2")
 # --tiny: the same family and features at test size (the vocabulary stays: it sizes the head).
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=16)
 

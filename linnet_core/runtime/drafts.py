@@ -31,16 +31,12 @@ def judge(sampler: Sampler | None, draft: Draft, greedy: Sequence[int], logits: 
     draft, then one token of the target's own. `greedy` [k + 1] are the target's argmaxes and
     `logits` [k + 1, V] its logits (a torch tensor, any device) at those positions."""
     k = len(draft.tokens)
-    if sampler is None or sampler.greedy:
+    if sampler is None or sampler.params.greedy:
+        # the device's argmax, or (shaped, constrained or reporting) the sampler's own choice, row by row
+        choose = (lambda i: int(greedy[i])) if sampler is None or sampler.greedy else (lambda i: sampler.pick(logits[i]))
         out = []
         for i in range(k + 1):
-            out.append(int(greedy[i]))
-            if i == k or out[-1] != draft.tokens[i]:
-                return out
-    if sampler.params.greedy:  # shaped, constrained or reporting: the sampler's own choice, row by row
-        out = []
-        for i in range(k + 1):
-            out.append(sampler.pick(logits[i]))
+            out.append(choose(i))
             if i == k or out[-1] != draft.tokens[i]:
                 return out
     out = []
