@@ -96,6 +96,10 @@ def self_check(ext) -> str | None:
             return "its GEMV disagreed with F.linear"
         if not all(torch.equal(got[r], ext.gemv_bf16(x[r:r + 1], w)[0]) for r in range(rows)):
             return "its GEMV gave a row other numbers beside other rows than alone"
+    wide = torch.randn(12, 2592, generator=g).to(torch.bfloat16)  # 5 rows of x overflow L1: K in chunks
+    x = torch.randn(5, 2592, generator=g).to(torch.bfloat16)
+    if not all(torch.equal(ext.gemv_bf16(x, wide)[r], ext.gemv_bf16(x[r:r + 1], wide)[0]) for r in range(5)):
+        return "its GEMV's chunks over K gave a row other numbers than one pass"
     wh = torch.randn(50, 80, generator=g).half()  # K % 32 == 16: the GEMV's last step; 50 % 6: a short tile
     for rows in (1, 2, 7):
         xh = torch.randn(rows, 80, generator=g).half()

@@ -1,8 +1,9 @@
 // y [M, N] = x [M, K] @ w [N, K].T for 16-bit and float32 w, for the few token rows of a decode (or
 // speculative) step. Decode is bound by reading w. One weight row at a time, as ggml does: each thread's rows are
-// then one contiguous stream, which the hardware prefetcher follows to a plain read's speed (8 rows
-// at once, 8 streams a row apart, streamed ~20% slower here). Two accumulators per token row keep two
-// dot products in flight. bfloat16: the ISA's pair dot product where it has one (vec.h's dot_bf16).
+// then one contiguous stream (8 rows at once, 8 streams a row apart, streamed ~20% slower here), which
+// a software prefetch a few KiB ahead keeps in L2 before the loads reach it: without it a pass of 5
+// token rows over a 4B model's weights cost 2.2x a pass of one (the loads waited on memory while the
+// dot products ran), with it ~1.05x. Two accumulators per token row keep two dot products in flight. bfloat16: the ISA's pair dot product where it has one (vec.h's dot_bf16).
 // float16: weights and x widened in registers and multiplied into float32 (ggml's f16 vec_dot does
 // the same); widening x once per call instead, into a float32 copy, left a decode step's float16
 // linears 12% slower than bfloat16's. float32: the plain fused multiply-add.
@@ -11,6 +12,7 @@
 
 #include "vec.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace {
@@ -42,22 +44,54 @@ struct F32 {  // x: float32 [M, K]
   static float round(float v) { return v; }
 };
 
+constexpr int64_t PREFETCH_BYTES = 8192;  // how far ahead of its stream a pass brings w into L2
+constexpr int64_t X_L1_BYTES = 24576;     // of x's token rows a pass keeps in L1 (32 KiB) beside w's stream
+constexpr int64_t ROW_BLOCK = 8;          // weight rows whose accumulators a chunked pass holds
+
+// The K-chunk a pass of M token rows takes: all of K for one row or where the M rows of x fit in L1,
+// else what fits (a multiple of the two-step stride). Chunks change no row's sums: each accumulator
+// still takes its steps in order, and the last step (K % 2S) falls in the last chunk.
+template <class T>
+int64_t chunk_of(int64_t K, int64_t M) {
+  constexpr int64_t E = sizeof(typename T::W), S2 = 2 * T::STEP;
+  if (M == 1 || M * K * E <= X_L1_BYTES) return K;
+  return std::max(S2, X_L1_BYTES / (M * E) / S2 * S2);
+}
+
+// Rows [n0, n1) of w against M token rows, ROW_BLOCK rows at a time, chunk by chunk over K (a row's
+// accumulators kept between chunks), each segment (row, chunk) prefetching the one `ahead` of it.
 template <class T, int M>
 void rows(const typename T::W* x, const typename T::W* w, int64_t K, int64_t N, int64_t n0, int64_t n1, typename T::W* y) {
-  constexpr int64_t S = T::STEP;
-  for (int64_t n = n0; n < n1; ++n) {
-    const typename T::W* wr = w + n * K;
-    Vf acc[M][2];
-    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = zero();
-    int64_t k = 0;
-    for (; k + 2 * S <= K; k += 2 * S)
-      for (int m = 0; m < M; ++m) {
-        acc[m][0] = T::dot(acc[m][0], wr + k, x + m * K + k);
-        acc[m][1] = T::dot(acc[m][1], wr + k + S, x + m * K + k + S);
+  using W = typename T::W;
+  constexpr int64_t S = T::STEP, STEP_BYTES = 2 * S * sizeof(W);
+  const int64_t CK = chunk_of<T>(K, M), chunks = (K + CK - 1) / CK, seg = CK * (int64_t)sizeof(W);
+  const int64_t ahead = std::clamp<int64_t>((PREFETCH_BYTES + seg / 2) / seg, 1, ROW_BLOCK);
+  for (int64_t b = n0; b < n1; b += ROW_BLOCK) {
+    const int64_t rb = std::min(ROW_BLOCK, n1 - b), total = chunks * rb;
+    Vf acc[ROW_BLOCK][M][2];
+    for (int64_t r = 0; r < rb; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = zero();
+    for (int64_t i = 0; i < total; ++i) {  // chunk-major: the chunk's x stays in L1 across the block's rows
+      const int64_t r = i % rb, k0 = i / rb * CK, k1 = std::min(K, k0 + CK), j = i + ahead;
+      const W* wr = w + (b + r) * K;
+      // the segment `ahead` of this one: this block's, or the next block's first chunk
+      const W* pf = j < total ? w + (b + j % rb) * K + j / rb * CK : w + std::min(N - 1, b + rb + j - total) * K;
+      Vf a0[M], a1[M];
+      for (int m = 0; m < M; ++m) a0[m] = acc[r][m][0], a1[m] = acc[r][m][1];
+      int64_t k = k0;
+      for (; k + 2 * S <= k1; k += 2 * S) {
+        for (int64_t byte = 0; byte < STEP_BYTES; byte += 64) prefetch_l2((const char*)(pf + (k - k0)) + byte);
+        for (int m = 0; m < M; ++m) {
+          a0[m] = T::dot(a0[m], wr + k, x + m * K + k);
+          a1[m] = T::dot(a1[m], wr + k + S, x + m * K + k + S);
+        }
       }
-    for (; k < K; k += S)  // K % (2 * S): a step or, on narrower vectors, a few
-      for (int m = 0; m < M; ++m) acc[m][0] = T::dot(acc[m][0], wr + k, x + m * K + k);
-    for (int m = 0; m < M; ++m) y[m * N + n] = T::round(reduce_add(add(acc[m][0], acc[m][1])));
+      for (; k < k1; k += S)  // K % (2 * S): a step or, on narrower vectors, a few
+        for (int m = 0; m < M; ++m) a0[m] = T::dot(a0[m], wr + k, x + m * K + k);
+      for (int m = 0; m < M; ++m) acc[r][m][0] = a0[m], acc[r][m][1] = a1[m];
+    }
+    for (int64_t r = 0; r < rb; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + b + r] = T::round(reduce_add(add(acc[r][m][0], acc[r][m][1])));
   }
 }
 
