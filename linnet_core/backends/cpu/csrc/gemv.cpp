@@ -3,7 +3,7 @@
 // then one contiguous stream (8 rows at once, 8 streams a row apart, streamed ~20% slower here), which
 // a software prefetch a few KiB ahead keeps in L2 before the loads reach it: without it a pass of 5
 // token rows over a 4B model's weights cost 2.2x a pass of one (the loads waited on memory while the
-// dot products ran), with it ~1.05x. Two accumulators per token row keep two dot products in flight. bfloat16: the ISA's pair dot product where it has one (vec.h's dot_bf16).
+// dot products ran), with it ~1.05x. A pass of one row streams as fast without it. Two accumulators per token row keep two dot products in flight. bfloat16: the ISA's pair dot product where it has one (vec.h's dot_bf16).
 // float16: weights and x widened in registers and multiplied into float32 (ggml's f16 vec_dot does
 // the same); widening x once per call instead, into a float32 copy, left a decode step's float16
 // linears 12% slower than bfloat16's. float32: the plain fused multiply-add.
@@ -44,7 +44,6 @@ struct F32 {  // x: float32 [M, K]
   static float round(float v) { return v; }
 };
 
-constexpr int64_t PREFETCH_BYTES = 8192;  // how far ahead of its stream a pass brings w into L2
 constexpr int64_t X_L1_BYTES = 24576;     // of x's token rows a pass keeps in L1 (32 KiB) beside w's stream
 constexpr int64_t ROW_BLOCK = 8;          // weight rows whose accumulators a chunked pass holds
 
@@ -65,7 +64,7 @@ void rows(const typename T::W* x, const typename T::W* w, int64_t K, int64_t N, 
   using W = typename T::W;
   constexpr int64_t S = T::STEP, STEP_BYTES = 2 * S * sizeof(W);
   const int64_t CK = chunk_of<T>(K, M), chunks = (K + CK - 1) / CK, seg = CK * (int64_t)sizeof(W);
-  const int64_t ahead = std::clamp<int64_t>((PREFETCH_BYTES + seg / 2) / seg, 1, ROW_BLOCK);
+  const int64_t ahead = std::clamp<int64_t>((kPrefetchBytes + seg / 2) / seg, 1, ROW_BLOCK);
   for (int64_t b = n0; b < n1; b += ROW_BLOCK) {
     const int64_t rb = std::min(ROW_BLOCK, n1 - b), total = chunks * rb;
     Vf acc[ROW_BLOCK][M][2];
@@ -80,7 +79,8 @@ void rows(const typename T::W* x, const typename T::W* w, int64_t K, int64_t N, 
       for (int m = 0; m < M; ++m) a0[m] = acc[r][m][0], a1[m] = acc[r][m][1];
       int64_t k = k0;
       for (; k + 2 * S <= k1; k += 2 * S) {
-        for (int64_t byte = 0; byte < STEP_BYTES; byte += 64) prefetch_l2((const char*)(pf + (k - k0)) + byte);
+        if constexpr (M > 1)  // one row streams at memory speed behind the hardware's prefetcher alone (2% faster)
+          for (int64_t byte = 0; byte < STEP_BYTES; byte += 64) prefetch_l2((const char*)(pf + (k - k0)) + byte);
         for (int m = 0; m < M; ++m) {
           a0[m] = T::dot(a0[m], wr + k, x + m * K + k);
           a1[m] = T::dot(a1[m], wr + k + S, x + m * K + k + S);

@@ -30,7 +30,6 @@ constexpr int64_t ROWS = 8;    // weight rows interleaved in a group (one dot-pr
 // prompt decodes each block's quants once per 8 token rows; 4 with 16 (and on NEON, whose chunks take 16)
 constexpr int MAX_M = linnet::kW == 16 ? 8 : 4;
 constexpr int64_t GROUPS_PER_TASK = 4;
-constexpr int64_t PREFETCH_BYTES = 8192;  // how far ahead of its stream a group's pass brings w into L2 (gemv.cpp)
 
 enum Format : int64_t { Q8_0 = 0, Q4_0 = 1 };
 
@@ -79,7 +78,8 @@ inline void group_dot(const Acts& a, int64_t m0, const uint8_t* g, int64_t nb, f
   F8 acc[MM];
   for (int m = 0; m < MM; ++m) acc[m] = f8_zero();
   for (int64_t b = 0; b < nb; ++b, g += gbytes) {
-    for (int64_t o = 0; o < gbytes; o += 64) prefetch_l2(g + PREFETCH_BYTES + o);  // past a group's end: the next's
+    if constexpr (MM > 1)  // past a group's end: the next's. One token row streams as fast without it.
+      for (int64_t o = 0; o < gbytes; o += 64) prefetch_l2(g + kPrefetchBytes + o);
     const F8 wd = f8_halves(g);  // the 8 rows' scales
     const Q8 w = F == Q4_0 ? load_q4(g + 16) : load_q8(g + 16);
     for (int m = 0; m < MM; ++m) {
