@@ -18,6 +18,8 @@ from linnet_core.bench.report import METRICS, number
 from linnet_core.bench.run import bench
 from linnet_core.bench.subjects import Method, pick
 from linnet_core.models import load_spec
+from linnet_core.speculation import SpeculationOptions
+from server_fixtures import built_llama_server
 
 CASE = "qwen3-headdim128"
 FAST = ["--prompt-tokens", "16", "--new-tokens", "4", "--runs", "2", "--warmups", "1"]
@@ -49,7 +51,8 @@ def test_json_is_complete(full_run):
         assert len(s["samples"]) == 2, s["key"]
         for key in ("ttft_ms", "decode_tok_s", "load_s", "peak_memory_bytes", "decode_speedup", "roofline"):
             assert s[key] is not None and s[key] > 0, (s["key"], key)
-        assert s["distance"] is not None and s["distance"] >= 0
+        if s["key"] != "llama-server":  # its /completion gives no logits
+            assert s["distance"] is not None and s["distance"] >= 0
         if s["linnet"]:
             assert s["distance"] <= 1e-3 and s["artifact_cached"] is not None
     # What cannot run here is listed with the reason, never dropped.
@@ -115,6 +118,9 @@ def test_markdown_and_ctrl_c(checkpoints, tmp_path):
     (["--backend", "tpu"], "unknown backend 'tpu'"),
     (["--compare", "tgi"], "unknown comparator 'tgi'"),
     (["--device", "npu"], "unknown device 'npu'"),
+    (["--speculate", "ngram", "--batch", "2"], "--speculate and --draft measure one sequence"),
+    (["--speculate", "beam"], "--speculate takes ngram or draft"),
+    (["--speculate", "ngram", "--serving"], "--speculate and --draft time one sequence's decode"),
 ])
 def test_bad_input_is_one_line(args, text, checkpoints):
     assert_one_line_error(invoke("bench", checkpoints[CASE], *args), 1, text)
@@ -229,3 +235,41 @@ def test_a_failed_side_is_reported_by_its_exception_not_a_later_warning(tmp_path
     assert worker.tail().startswith("torch._dynamo.exc.BackendCompilerFailed: backend='inductor'")
     log.write_text("a plain last line\n")
     assert worker.tail() == "a plain last line"
+
+
+def test_speculative_bench_times_plain_and_speculative_decode_in_each_run(checkpoints, tmp_path):
+    r = invoke("bench", checkpoints[CASE], "--backend", "torch", "--compare", "none", "--speculate", "ngram",
+               "--draft-tokens", "3", "--prompt-tokens", "16", "--new-tokens", "24", "--runs", "2", "--warmups", "0",
+               "--json")
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["method"]["speculation"]["method"] == "ngram" and data["method"]["speculation"]["draft_tokens"] == 3
+    side = next(s for s in data["sides"] if s["key"] == "linnet:torch")
+    sp = side["speculative"]
+    assert sp["same_output"] is True and sp["decode_tok_s"] > 0 and sp["plain_decode_tok_s"] > 0
+    assert 0.0 <= sp["acceptance"] <= 1.0 and sp["tokens_per_step"] >= 1.0
+    assert sp["speedup"] == pytest.approx(sp["decode_tok_s"] / sp["plain_decode_tok_s"])
+    assert all({"plain_decode_tok_s", "acceptance", "same_output"} <= set(x) for x in side["samples"])
+    ref = next(s for s in data["sides"] if s["key"] == "transformers")
+    assert ref["speculative"] is None  # the reference decodes plainly
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(built_llama_server() is None,
+                    reason="no llama-server here (linnet bench --compare llama-server --build-llama-server)")
+def test_llama_server_speculates_with_the_same_draft_gguf(tokenized_checkpoints, monkeypatch, tmp_path):
+    monkeypatch.setenv("LINNET_LLAMA_SERVER", built_llama_server())
+    model = tokenized_checkpoints["qwen2-bias-tied"]
+    result = bench(model, Method(16, 12, 1, 2, 0, "float32", speculation=SpeculationOptions(draft=str(model))),
+                   pick(["torch"], ["llama-server"]), workdir=tmp_path)
+    server = result.side("llama-server")
+    assert server.status == "ok", server.reason
+    assert (tmp_path / "draft.gguf").exists() and (tmp_path / "model.gguf").exists()
+    sp = result.rows()[[s.subject.key for s in result.sides].index("llama-server")]["speculative"]
+    assert sp["decode_tok_s"] > 0 and sp["plain_decode_tok_s"] > 0
+    assert sp["acceptance"] > 0.9  # the draft is the target itself: llama.cpp keeps its proposals
+    linnet = result.side("linnet:torch").speculative()
+    assert linnet["same_output"] and linnet["acceptance"] > 0.9
+    assert server.memory["peak_bytes"] > 0 and "llama-server" in server.memory["source"]
+    left = subprocess.run(["pgrep", "-f", f"llama-server.*{tmp_path}"], capture_output=True, text=True).stdout
+    assert left.strip() == ""  # its servers stopped with the worker

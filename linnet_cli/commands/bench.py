@@ -15,7 +15,8 @@ from linnet_core.check.baseline import bench_gate, read_saved
 from linnet_core.errors import InputError
 from linnet_core.serve.config import ServeConfig
 
-from ..options import DtypeOpt, JsonOpt, OptionalModelArg, QuietOpt, name_list
+from ..options import (AdaptiveDraftOpt, DraftBackendOpt, DraftDtypeOpt, DraftOpt, DraftTokensOpt, DtypeOpt, JsonOpt,
+                       OptionalModelArg, QuietOpt, SpeculateOpt, name_list)
 from ..output import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, Sink, check_output_files, handle_errors, write_json
 from .bench_serving import HIDDEN, run_serving
 
@@ -26,8 +27,8 @@ def bench_command(
     backend: Annotated[Optional[list[str]], typer.Option(
         "--backend", "-b", help="Linnet backends: all (default), or names, repeated or comma-separated.")] = None,
     compare: Annotated[Optional[list[str]], typer.Option(
-        "--compare", help="Comparators: all (default), none, or transformers-compiled, llama.cpp, vllm, "
-                          "sglang (transformers eager, the reference, always runs).")] = None,
+        "--compare", help="Comparators: all (default), none, or transformers-compiled, llama.cpp, llama-server, "
+                          "vllm, sglang (transformers eager, the reference, always runs).")] = None,
     dtype: DtypeOpt = "auto",
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt length (random token ids).")] = 512,
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="Tokens generated per run.")] = 128,
@@ -59,6 +60,12 @@ def bench_command(
     other_machine: Annotated[bool, typer.Option(
         "--other-machine",
         help="--baseline from another machine: compare, with a warning (default: refused).")] = False,
+    speculate: SpeculateOpt = None,
+    draft: DraftOpt = None,
+    draft_tokens: DraftTokensOpt = 4,
+    adaptive_draft: AdaptiveDraftOpt = True,
+    draft_backend: DraftBackendOpt = None,
+    draft_dtype: DraftDtypeOpt = "auto",
     serving: Annotated[bool, typer.Option("--serving", help="Measure serving many requests at once instead: "
                                           "`linnet bench-serving`, whose options this command takes too.")] = False,
     requests: HIDDEN.Requests = 256,
@@ -85,6 +92,7 @@ def bench_command(
     each Linnet backend and each comparator installed here, in one run with the runs interleaved;
     speed-ups against transformers from the same run, and the decode roofline."""
     from linnet_core.bench.run import bench  # imports torch: not at start-up
+    from linnet_core.speculation import SpeculationOptions  # imports torch: not at start-up
 
     sink = Sink(json, quiet)
     if device not in ("auto", "cpu", "cuda"):
@@ -95,6 +103,11 @@ def bench_command(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     check_output_files(html, save)
     gate = _baseline(baseline, max_slowdown) if baseline is not None else None  # a bad file: refused before the runs
+    wanted = SpeculationOptions(speculate, draft, draft_tokens, adaptive_draft,
+                                draft_backend.value if draft_backend else None, draft_dtype)
+    if serving and wanted.chosen:
+        raise InputError("--speculate and --draft time one sequence's decode: drop --serving "
+                         "(a server speculates with `linnet serve --speculate`)")
     if serving and time_limit is not None:
         raise InputError("--time-limit bounds the decode bench; --serving is bounded by --requests")
     if serving:
@@ -108,7 +121,14 @@ def bench_command(
         run_serving(sink, config, new_tokens, requests, prompt_range, concurrency, rate, shared_prefix, turns, target,
                     rounds, url, api_key, build_llama_server, html, save, markdown, request_fields)
         return
-    method = Method(prompt_tokens, new_tokens, batch, runs, warmups, dtype, cache_len)
+    method = Method(prompt_tokens, new_tokens, batch, runs, warmups, dtype, cache_len,
+                    speculation=wanted if wanted.chosen else None)
+    if build_llama_server:
+        from linnet_core.bench import llama_server
+
+        if llama_server.find() is None:
+            sink.info("building llama-server (once, minutes)")
+            llama_server.build(progress=sink.info)
     subjects = pick(name_list(backend, BACKEND_NAMES, "all"), name_list(compare, tuple(COMPARATORS), "all"))
     reporter = _progress(sink)
     try:

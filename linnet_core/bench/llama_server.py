@@ -39,6 +39,7 @@ if platform.machine().lower() in ("x86_64", "amd64"):
 # The cached binary is named by what built it, so a changed recipe builds afresh.
 RECIPE = hashlib.sha256("\n".join((SOURCE_SHA256, *CMAKE_FLAGS)).encode()).hexdigest()[:8]
 BUILD_COMMAND = "linnet bench --serving --target llama-server --build-llama-server"
+BUILD_COMMAND_DECODE = "linnet bench --compare llama-server --build-llama-server"
 # Attention in float32: keys and values as float32, flash attention off (on a CPU, llama-server's flash
 # attention rounds to half precision even over a float32 cache): what a float32 claim needs.
 FLOAT32_ATTENTION = ("-ctk", "f32", "-ctv", "f32", "-fa", "off")

@@ -104,6 +104,23 @@ def roofline_line(result: BenchResult) -> str:
     return line
 
 
+def speculative_lines(result: BenchResult) -> list[str]:
+    """Per side that speculated: its decode against its own plain decode in the same runs."""
+    out = []
+    for r in result.rows():
+        sp = r.get("speculative")
+        if not sp:
+            continue
+        line = (f"{r['label']}: speculative {number(sp['decode_tok_s'])} tok/s against plain "
+                f"{number(sp['plain_decode_tok_s'])} ({sp['speedup']:.2f}×), acceptance {sp['acceptance']:.2f}")
+        if sp["tokens_per_step"] is not None:
+            line += f", {sp['tokens_per_step']:.2f} tokens per target step"
+        if sp["same_output"] is not None:
+            line += ", the plain run's tokens" if sp["same_output"] else ", OTHER TOKENS than the plain run"
+        out.append(line)
+    return out
+
+
 def rich_table(result: BenchResult):
     """The terminal's table: figures per side; why a side is missing or failed, under it."""
     from rich.markup import escape
@@ -111,7 +128,7 @@ def rich_table(result: BenchResult):
 
     rs = rows(result)
     absent = [f"{r['label']}: {status_text(r)}" for r in rs if r["status"] != "ok"]
-    caption = "\n".join([roofline_line(result)] + absent)
+    caption = "\n".join([roofline_line(result)] + speculative_lines(result) + absent)
     table = Table(title=escape(header(result)), title_justify="left", caption=escape(caption),
                   caption_justify="left")
     table.add_column("side", no_wrap=True)
@@ -148,5 +165,6 @@ def markdown(result: BenchResult) -> str:
         lines.append(f"| {r['label']} | {cell('ttft_ms')} | {cell('decode_tok_s')} | {ratio(r)} | {roofline(r)} | "
                      f"{load_note(r)} | {cell('peak_memory_gib')} | {cell('distance')} | "
                      f"{status_text(r).replace('|', '/')} |")
-    lines += ["", roofline_line(result), "", describe(result.env)]
+    lines += ["", roofline_line(result), *(["", *speculative_lines(result)] if speculative_lines(result) else []),
+              "", describe(result.env)]
     return "\n".join(lines) + "\n"

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +67,18 @@ class Side:
     def fail(self, reason: str) -> None:
         self.status, self.reason = "failed", reason
 
+    def speculative(self) -> dict | None:
+        """With --speculate/--draft: each run's plain decode beside the speculative one (medians), the
+        acceptance rate and tokens per target step, and whether every run chose the plain run's tokens."""
+        if not self.samples or "plain_decode_tok_s" not in self.samples[0]:
+            return None
+        spec, plain = self.median("decode_tok_s"), self.median("plain_decode_tok_s")
+        same = [s["same_output"] for s in self.samples if "same_output" in s]
+        return {"decode_tok_s": spec, "plain_decode_tok_s": plain, "speedup": spec / plain if plain else None,
+                "acceptance": self.median("acceptance"),
+                "tokens_per_step": self.median("tokens_per_step") if "tokens_per_step" in self.samples[0] else None,
+                "same_output": all(same) if same else None}
+
 
 @dataclass
 class BenchResult:
@@ -93,7 +105,9 @@ class BenchResult:
         out = []
         for s in self.sides:
             tok, ttft = s.median("decode_tok_s"), s.median("ttft_s")
-            achieved = tok / self.method.batch * self.bytes_per_step if tok else None
+            # a speculative step reads the weights once for several tokens: the roofline is plain decode's
+            steps = s.median("plain_decode_tok_s") if s.speculative() else tok
+            achieved = steps / self.method.batch * self.bytes_per_step if steps else None
             fraction = achieved / self.bandwidth_bytes_s if achieved else None
             out.append({
                 "key": s.subject.key, "label": s.subject.label, "stack": s.subject.stack,
@@ -110,7 +124,7 @@ class BenchResult:
                 # Above 100% the probe read less than the side itself moved: the probe under-read.
                 "roofline_under_read": bool(fraction and fraction > 1.0),
                 "bandwidth_probe_bytes_s": s.bandwidth_probe,
-                "note": s.subject.note, "samples": s.samples,
+                "note": s.subject.note, "samples": s.samples, "speculative": s.speculative(),
             })
         return out
 
@@ -230,8 +244,19 @@ def gguf_for_llama_cpp(m: Model, dtype: str, out: Path, progress) -> tuple[Path,
     return out, export_gguf(m, out, FORMATS[dtype].gguf, force=True, check=False).seconds
 
 
-def _prepare(side: Side, m: Model, dtype: str, method: Method, workdir: Path, reporter: Reporter) -> dict:
-    """Whatever the side's worker needs beyond the model: a compiled artifact, or an export."""
+def _prepare(side: Side, m: Model, dtype: str, method: Method, workdir: Path, reporter: Reporter,
+             ggufs: dict[str, Path]) -> dict:
+    """Whatever the side's worker needs beyond the model: a compiled artifact, or an export (each GGUF
+    exported once a bench: `ggufs`, by file name)."""
+
+    def gguf(model: Model, dtype: str, name: str, what: str) -> Path:
+        if name not in ggufs:
+            ggufs[name], seconds = gguf_for_llama_cpp(
+                model, dtype, workdir / name, lambda text: reporter.stage(text.replace("GGUF", what)))
+            if seconds is not None:
+                side.prepare_s = (side.prepare_s or 0.0) + seconds
+        return ggufs[name]
+
     s = side.subject
     if s.is_linnet:
         reporter.stage(f"compiling {s.label}")
@@ -239,6 +264,10 @@ def _prepare(side: Side, m: Model, dtype: str, method: Method, workdir: Path, re
         side.cached = c.hit
         side.prepare_s = None if c.hit else c.seconds
         _read_afresh(c.artifact / WEIGHTS_FILE)
+        spec = method.speculation
+        if spec is not None and spec.chosen == "draft":  # compiled here, so the worker's load is a load
+            reporter.stage(f"compiling the draft model for {s.label}")
+            compile_model(open_model(spec.draft), spec.draft_backend or s.backend, spec.draft_dtype, method.positions)
         return {"backend": s.backend}
     if s.key in ("transformers", "transformers-compiled") and m.is_gguf:
         # transformers reads a GGUF's config only in part (not a head_dim apart from hidden / heads): it loads Linnet's export
@@ -248,10 +277,15 @@ def _prepare(side: Side, m: Model, dtype: str, method: Method, workdir: Path, re
             reporter.stage("exporting the GGUF as a Hugging Face checkpoint for transformers")
             side.prepare_s = export_hf(m, out, "float32" if FORMATS[dtype].quantized else dtype, check=False).seconds
         return {"model": str(out)}
-    if s.key == "llama.cpp":
-        gguf, side.prepare_s = gguf_for_llama_cpp(m, dtype, workdir / "model.gguf", reporter.stage)
-        _read_afresh(gguf)
-        return {"gguf": str(gguf)}
+    if s.key in ("llama.cpp", "llama-server"):
+        target = gguf(m, dtype, "model.gguf", "GGUF")
+        _read_afresh(target)
+        spec = method.speculation
+        if s.key == "llama.cpp" or spec is None or spec.chosen != "draft":
+            return {"gguf": str(target)}
+        draft = open_model(spec.draft)
+        return {"gguf": str(target),
+                "draft_gguf": str(gguf(draft, pick_dtype(spec.draft_dtype, draft.spec), "draft.gguf", "the draft's GGUF"))}
     if s.key in ("vllm", "sglang"):
         out = workdir / "hf"
         if not out.exists():
@@ -283,13 +317,14 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
     result = BenchResult(str(m.resolved.name), m.spec.to_json(), dtype, method, environment(device), 0.0,
                          decode_bytes_per_step(m.spec, dtype,
                                                method.prompt_tokens + method.new_tokens / 2, method.batch), sides)
+    ggufs: dict[str, Path] = {}
     try:
         for side in sides:
             if side.status == "ok" and deadline.hit():
                 side.fail(TIME_LIMIT_REASON)
             elif side.status == "ok":
                 try:
-                    side.extra = _prepare(side, m, dtype, method, workdir, reporter)
+                    side.extra = _prepare(side, m, dtype, method, workdir, reporter, ggufs)
                 except CacheError:
                     raise  # the machine's problem, not this side's: the bench cannot go on
                 except LinnetError as e:
@@ -354,7 +389,8 @@ def _start(side: Side, m: Model, dtype: str, method: Method, device: str, workdi
            deadline: Deadline) -> None:
     reporter.stage(f"loading {side.subject.label} in a fresh process")
     cfg = {"subject": side.subject.key, "model": str(m.path), "dtype": dtype, "positions": method.positions,
-           "batch": method.batch, "device": device, "threads": torch.get_num_threads(), **side.extra}
+           "batch": method.batch, "device": device, "threads": torch.get_num_threads(), **side.extra,
+           "speculation": asdict(method.speculation) if method.speculation else None, "workdir": str(workdir)}
     log = workdir / f"{side.subject.key.replace(':', '-').replace('.', '')}.log"
     side.worker = Worker(cfg, log)
     try:

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from ..backends import BACKEND_NAMES, get_backend
 from ..dtypes import FORMATS
 from ..errors import BackendUnavailable, InputError
+
+if TYPE_CHECKING:
+    from ..speculation import SpeculationOptions
 
 BASELINE = "transformers"
 # key -> (label, stack, what it is, for the notes column)
@@ -24,6 +28,10 @@ COMPARATORS = {
     "llama.cpp": ("llama.cpp on Linnet's GGUF", "LLM engines",
                   "linnet.export_gguf in the bench dtype (q8_0/q4_0: the artifact's very blocks), then "
                   "llama-cpp-python with its defaults (f16 KV cache); one sequence"),
+    "llama-server": ("llama-server on Linnet's GGUF", "LLM engines",
+                     "llama.cpp's server (linnet bench --build-llama-server builds the pinned source) on the same "
+                     "GGUF, one /completion at a time, its own timings; with --speculate/--draft, its own "
+                     "speculative decoding on the same target and draft GGUFs"),
     "vllm": ("vLLM on Linnet's export", "LLM engines", "linnet.export_hf, then vLLM's offline LLM"),
     "sglang": ("SGLang on Linnet's export", "LLM engines", "linnet.export_hf, then SGLang's offline Engine"),
 }
@@ -39,6 +47,7 @@ class Method:
     dtype: str = "auto"
     cache_len: int | None = None  # default: prompt + new tokens
     seed: int = 0
+    speculation: SpeculationOptions | None = None  # each run decodes with and without it
 
     def __post_init__(self):
         for name in ("prompt_tokens", "new_tokens", "batch", "runs"):
@@ -48,18 +57,26 @@ class Method:
             raise InputError("--new-tokens must be at least 2: decode speed is timed after the first token")
         if self.warmups < 0:
             raise InputError(f"--warmups must be 0 or more, got {self.warmups}")
+        if self.speculation is not None and self.batch != 1:
+            raise InputError("--speculate and --draft measure one sequence: use --batch 1")
         if self.cache_len is not None and self.cache_len < self.prompt_tokens + self.new_tokens:
             raise InputError(f"--cache-len {self.cache_len} cannot hold {self.prompt_tokens} prompt tokens and "
                              f"{self.new_tokens} new ones")
 
     @property
-    def positions(self) -> int:
-        return self.cache_len or self.prompt_tokens + self.new_tokens
+    def positions(self) -> int:  # a check of k proposals writes up to k positions past the last token
+        spare = self.speculation.draft_tokens if self.speculation else 0
+        return self.cache_len or self.prompt_tokens + self.new_tokens + spare
 
     def describe(self) -> str:
         runs = f"{self.runs} run{'s' * (self.runs != 1)}"
         warm = f"{self.warmups} warm-up{'s' * (self.warmups != 1)}"
-        return f"{self.prompt_tokens} prompt tokens, {self.new_tokens} new · batch {self.batch} · median of {runs} after {warm}"
+        spec = self.speculation
+        speculative = "" if spec is None else (
+            f" · speculative ({'prompt lookup' if spec.chosen == 'ngram' else 'draft ' + str(spec.draft)}, "
+            f"{'up to ' if spec.adaptive else ''}{spec.draft_tokens} proposed) against plain, each run")
+        return (f"{self.prompt_tokens} prompt tokens, {self.new_tokens} new · batch {self.batch} · median of {runs} "
+                f"after {warm}{speculative}")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -127,4 +144,16 @@ def why_missing(subject: Subject, dtype: str, batch: int, device: str = "cpu") -
         return f"Linnet's Hugging Face export has no {dtype} weights"
     if subject.key == "llama.cpp" and batch != 1:
         return "llama-cpp-python runs one sequence: batch 1 only"
+    if subject.key == "llama-server":
+        from . import llama_server
+
+        if device != "cpu":
+            return "the llama-server Linnet builds is a CPU build"
+        if batch != 1:
+            return "llama-server is timed one request at a time: batch 1 only"
+        try:
+            if llama_server.find() is None:
+                return f"llama-server is not on PATH nor built ({llama_server.BUILD_COMMAND_DECODE})"
+        except InputError as e:
+            return e.message
     return None

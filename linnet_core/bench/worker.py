@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -90,10 +92,17 @@ class LinnetRunner:
         self.session, compiled = load_model(cfg["model"], cfg["backend"], cfg["dtype"], cfg["positions"],
                                             rows=self.batch, device=cfg["device"])
         self.cached = compiled.hit
+        self.speculation = None
+        if cfg.get("speculation"):
+            from ..speculation import SpeculationOptions, load_speculation  # imports torch: not at start-up
+
+            self.speculation, _ = load_speculation(SpeculationOptions(**cfg["speculation"]), compiled, self.session)
         self.session.prefill([1, 2])
         self.session.decode([3], [2], [0])
 
-    def run(self, prompts: list[list[int]], new: int) -> tuple[float, float]:
+    def run(self, prompts: list[list[int]], new: int) -> tuple[float, float] | dict:
+        if self.speculation is not None:
+            return self.with_and_without(prompts[0], new)
         s, rows = self.session, list(range(len(prompts)))
         t0 = time.perf_counter()
         tokens = [s.prefill(p, slot=i).tokens[0] for i, p in enumerate(prompts)]
@@ -104,6 +113,19 @@ class LinnetRunner:
             tokens = s.decode(tokens, positions, rows).tokens
             positions = [p + 1 for p in positions]
         return ttft, (new - 1) * len(prompts) / (time.perf_counter() - t1)
+
+    def with_and_without(self, prompt: list[int], new: int) -> dict:
+        """A plain greedy run and a speculative one of the same prompt: the side's figures are the
+        speculative run's, the plain run's beside them, and whether the two chose the same tokens."""
+        from ..runtime.generate import Generation  # imports torch: not at start-up
+
+        plain = Generation(self.session, prompt, new)
+        plain_tokens = list(plain)
+        spec = Generation(self.session, prompt, new, speculation=self.speculation)
+        spec_tokens = list(spec)
+        return {"ttft_s": spec.stats.ttft_s, "decode_tok_s": spec.stats.decode_tok_s,
+                "plain_decode_tok_s": plain.stats.decode_tok_s, "acceptance": spec.speculative.acceptance,
+                "tokens_per_step": spec.speculative.tokens_per_step, "same_output": plain_tokens == spec_tokens}
 
     def logits(self, prompt: list[int]) -> np.ndarray:
         return np.asarray(self.session.prefill(prompt, logits="last").logits[0, -1], dtype=np.float32)
@@ -214,6 +236,76 @@ class LlamaCppRunner:
             llm.close()
 
 
+class LlamaServerRunner:
+    """llama.cpp's llama-server on the GGUF, one /completion at a time (greedy, EOS ignored), timed by its
+    own timings. With speculation, two servers: one speculating as llama.cpp does (the draft GGUF, or
+    its n-gram lookup; k proposed, no confidence cut-off) and a plain one, each run timing both."""
+
+    def __init__(self, cfg: dict):
+        from . import llama_server
+
+        binary, spec = llama_server.require(), cfg.get("speculation")
+        logs, self.servers = Path(cfg["workdir"]), {}
+        plans = {"plain": ()}
+        if spec:
+            k = str(spec["draft_tokens"])
+            plans["speculative"] = (
+                ("-md", cfg["draft_gguf"], "--spec-type", "draft-simple", "--spec-draft-n-max", k,
+                 "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", str(cfg["threads"]))
+                if cfg.get("draft_gguf") else
+                ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2", "--spec-ngram-simple-size-m", k))
+        try:
+            for name, flags in plans.items():
+                proc, url, _ = llama_server.start(binary, Path(cfg["gguf"]), 1, cfg["positions"], cfg["threads"],
+                                                  logs / f"llama-server-{name}.log", flags=flags)
+                self.servers[name] = (proc, url)
+        except BaseException:
+            self.close()
+            raise
+        self.run([[1, 2, 3, 4]], 2)
+        self.cached = None
+
+    def _complete(self, name: str, prompt: list[int], new: int) -> dict:
+        import httpx
+
+        body = {"prompt": prompt, "n_predict": new, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
+                "ignore_eos": True, "stream": False}
+        r = httpx.post(f"{self.servers[name][1]}/completion", json=body, timeout=1800)
+        r.raise_for_status()
+        t = r.json()["timings"]
+        # its eval time runs from the first token on: the decode steps after it, as every side counts them
+        decode = (t["predicted_n"] - 1) / (t["predicted_ms"] / 1000) if t["predicted_ms"] > 0 else 0.0
+        return {"ttft_s": t["prompt_ms"] / 1000, "decode_tok_s": decode, "draft_n": t.get("draft_n"),
+                "draft_accepted": t.get("draft_n_accepted")}
+
+    def run(self, prompts: list[list[int]], new: int) -> tuple[float, float] | dict:
+        plain = self._complete("plain", prompts[0], new)
+        if "speculative" not in self.servers:
+            return plain["ttft_s"], plain["decode_tok_s"]
+        spec = self._complete("speculative", prompts[0], new)
+        proposed, accepted = spec["draft_n"] or 0, spec["draft_accepted"] or 0
+        return {"ttft_s": spec["ttft_s"], "decode_tok_s": spec["decode_tok_s"],
+                "plain_decode_tok_s": plain["decode_tok_s"], "acceptance": accepted / proposed if proposed else 0.0}
+
+    def logits(self, prompt: list[int]) -> None:
+        return None  # its /completion gives probabilities of a few tokens, not logits
+
+    def memory(self) -> dict:
+        proc = self.servers.get("speculative", self.servers["plain"])[0]
+        return {"peak_bytes": peak_rss(proc.pid), "source": "peak RSS of its llama-server"}
+
+    def close(self) -> None:
+        for proc, _ in self.servers.values():
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self.servers = {}
+
+
 class VllmRunner:
     """vLLM's offline engine on Linnet's HF export; TTFT is a one-token request's time."""
 
@@ -264,7 +356,8 @@ def make_runner(cfg: dict):
         return LinnetRunner(cfg)
     if kind in ("transformers", "transformers-compiled"):
         return TransformersRunner(cfg, compiled=kind == "transformers-compiled")
-    return {"llama.cpp": LlamaCppRunner, "vllm": VllmRunner, "sglang": SglangRunner}[kind](cfg)
+    return {"llama.cpp": LlamaCppRunner, "llama-server": LlamaServerRunner, "vllm": VllmRunner,
+            "sglang": SglangRunner}[kind](cfg)
 
 
 def main() -> None:
@@ -276,19 +369,27 @@ def main() -> None:
         send({"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"})
         return
     send({"ready": True, "load_s": time.time() - cfg["spawned_at"], "cached": runner.cached})
+    try:
+        serve_requests(runner, watch)
+    finally:
+        if hasattr(runner, "close"):  # servers it started
+            runner.close()
+
+
+def serve_requests(runner, watch: MemoryWatch) -> None:
     for line in sys.stdin:
         req = json.loads(line)
         try:
             if req["op"] == "run":
-                ttft, tok_s = runner.run(req["prompts"], req["new"])
-                send({"ttft_s": ttft, "decode_tok_s": tok_s})
+                result = runner.run(req["prompts"], req["new"])
+                send(result if isinstance(result, dict) else {"ttft_s": result[0], "decode_tok_s": result[1]})
             elif req["op"] == "logits":
                 logits = runner.logits(req["prompt"])
                 if logits is not None:
                     np.save(req["out"], logits)
                 send({"written": logits is not None})
             elif req["op"] == "memory":
-                send(watch.report())
+                send(runner.memory() if hasattr(runner, "memory") else watch.report())
             elif req["op"] == "exit":
                 break
         except Exception as e:  # noqa: BLE001 - reported to the parent, which marks the side failed
