@@ -31,23 +31,7 @@ from linnet_core.runtime.session import Chunk  # noqa: E402
 from linnet_core.speculation import SpeculationOptions, load_speculation  # noqa: E402
 from linnet_core.tokenizer import Tokenizer  # noqa: E402
 
-COPY_PROMPT = ('''Rewrite the function below, keeping every line and adding type hints.
-
-def moving_average(values, window):
-    """The mean of each window of `window` values."""
-    out = []
-    total = 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        if i >= window - 1:
-            out.append(total / window)
-    return out
-
-def moving_average(values: list[float], window: int) -> list[float]:
-    """The mean of each window of `window` values."""
-''')
+COPY_PROMPT = (ROOT / "bench" / "prompts" / "copy_edit.txt").read_text()  # `linnet bench --prompt-file` reads it too
 
 
 def step_costs(session, prompt: list[int], ks: list[int], reps: int) -> dict:

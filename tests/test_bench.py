@@ -273,3 +273,25 @@ def test_llama_server_speculates_with_the_same_draft_gguf(tokenized_checkpoints,
     assert server.memory["peak_bytes"] > 0 and "llama-server" in server.memory["source"]
     left = subprocess.run(["pgrep", "-f", f"llama-server.*{tmp_path}"], capture_output=True, text=True).stdout
     assert left.strip() == ""  # its servers stopped with the worker
+
+
+def test_a_prompt_file_is_the_prompt_and_a_bad_one_is_one_line(tokenized_checkpoints, tmp_path):
+    from linnet_core.tokenizer import Tokenizer
+
+    model = tokenized_checkpoints["qwen2-bias-tied"]
+    text = tmp_path / "prompt.txt"
+    text.write_text("one two three, one two three, one two three")
+    r = invoke("bench", model, "--backend", "torch", "--compare", "none", "--prompt-file", text, "--new-tokens", "4",
+               "--runs", "1", "--warmups", "0", "--json")
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["method"]["prompt_tokens"] == len(Tokenizer(model).encode(text.read_text()))
+    assert data["method"]["prompt_file"] == str(text)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert_one_line_error(invoke("bench", model, "--prompt-file", empty, "--compare", "none", "--backend", "torch"),
+                          1, "holds no text")
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    assert_one_line_error(invoke("bench", model, "--prompt-file", binary, "--compare", "none", "--backend", "torch"),
+                          1, "cannot read the prompt file")

@@ -31,6 +31,9 @@ def bench_command(
                           "vllm, sglang (transformers eager, the reference, always runs).")] = None,
     dtype: DtypeOpt = "auto",
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt length (random token ids).")] = 512,
+    prompt_file: Annotated[Optional[Path], typer.Option(
+        "--prompt-file", help="The prompt: this file's text, tokenized, instead of --prompt-tokens random ids "
+                              "(a text the output copies from, for --speculate ngram).", show_default=False)] = None,
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="Tokens generated per run.")] = 128,
     batch: Annotated[int, typer.Option("--batch", help="Sequences decoded together.")] = 1,
     runs: Annotated[int, typer.Option("--runs", help="Timed runs per side (the median is reported).")] = 10,
@@ -122,7 +125,8 @@ def bench_command(
                     rounds, url, api_key, build_llama_server, html, save, markdown, request_fields)
         return
     method = Method(prompt_tokens, new_tokens, batch, runs, warmups, dtype, cache_len,
-                    speculation=wanted if wanted.chosen else None)
+                    speculation=wanted if wanted.chosen else None,
+                    prompt_file=str(prompt_file) if prompt_file else None)
     if build_llama_server:
         from linnet_core.bench import llama_server
 

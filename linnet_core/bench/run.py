@@ -303,6 +303,9 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
     deadline = Deadline(time_limit)
     m = model if isinstance(model, Model) else open_model(model)
     dtype = pick_dtype(method.dtype, m.spec)
+    text_prompt = _file_prompt(m, method.prompt_file) if method.prompt_file else None
+    if text_prompt is not None:
+        method = replace(method, prompt_tokens=len(text_prompt))
     own_workdir = workdir is None
     workdir = Path(workdir or tempfile.mkdtemp(prefix="linnet-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -312,8 +315,11 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
         why = why_missing(side.subject, dtype, method.batch, device) or _too_big(side.subject, m, dtype, method, device)
         if why:
             side.status, side.reason = "missing", why
-    rng = np.random.default_rng(method.seed)
-    prompts = [rng.integers(0, m.spec.vocab_size, method.prompt_tokens).tolist() for _ in range(method.batch)]
+    if text_prompt is None:
+        rng = np.random.default_rng(method.seed)
+        prompts = [rng.integers(0, m.spec.vocab_size, method.prompt_tokens).tolist() for _ in range(method.batch)]
+    else:
+        prompts = [text_prompt] * method.batch
     result = BenchResult(str(m.resolved.name), m.spec.to_json(), dtype, method, environment(device), 0.0,
                          decode_bytes_per_step(m.spec, dtype,
                                                method.prompt_tokens + method.new_tokens / 2, method.batch), sides)
@@ -372,6 +378,20 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
     if not result.interrupted and not result.time_limited:
         result.bandwidth_bytes_s = max(result.bandwidth_bytes_s, stream_bandwidth(device))
     return result
+
+
+def _file_prompt(m: Model, path: str) -> list[int]:
+    """A prompt file's text as the model's tokens (a text a continuation copies from: prompt lookup's case)."""
+    from ..tokenizer import Tokenizer  # the tokenizer's libraries: only for a file's prompt
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read the prompt file {path}: {e.strerror if isinstance(e, OSError) else e}") from None
+    tokens = Tokenizer(m.path).encode(text)
+    if not tokens:
+        raise InputError(f"the prompt file {path} holds no text")
+    return tokens
 
 
 def _too_big(subject: Subject, m: Model, dtype: str, method: Method, device: str) -> str | None:

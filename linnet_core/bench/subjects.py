@@ -48,6 +48,7 @@ class Method:
     cache_len: int | None = None  # default: prompt + new tokens
     seed: int = 0
     speculation: SpeculationOptions | None = None  # each run decodes with and without it
+    prompt_file: str | None = None  # the prompt: this file's text, tokenized (else random token ids)
 
     def __post_init__(self):
         for name in ("prompt_tokens", "new_tokens", "batch", "runs"):
@@ -75,7 +76,8 @@ class Method:
         speculative = "" if spec is None else (
             f" · speculative ({'prompt lookup' if spec.chosen == 'ngram' else 'draft ' + str(spec.draft)}, "
             f"{'up to ' if spec.adaptive else ''}{spec.draft_tokens} proposed) against plain, each run")
-        return (f"{self.prompt_tokens} prompt tokens, {self.new_tokens} new · batch {self.batch} · median of {runs} "
+        source = f" (from {self.prompt_file})" if self.prompt_file else ""
+        return (f"{self.prompt_tokens} prompt tokens{source}, {self.new_tokens} new · batch {self.batch} · median of {runs} "
                 f"after {warm}{speculative}")
 
     def to_json(self) -> dict:
