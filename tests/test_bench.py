@@ -240,7 +240,7 @@ def test_a_failed_side_is_reported_by_its_exception_not_a_later_warning(tmp_path
 def test_speculative_bench_times_plain_and_speculative_decode_in_each_run(checkpoints, tmp_path):
     r = invoke("bench", checkpoints[CASE], "--backend", "torch", "--compare", "none", "--speculate", "ngram",
                "--draft-tokens", "3", "--prompt-tokens", "16", "--new-tokens", "24", "--runs", "2", "--warmups", "0",
-               "--json")
+               "--json", "--html", tmp_path / "page.html")
     assert r.exit_code == 0, r.stderr
     data = json.loads(r.stdout)
     assert data["method"]["speculation"]["method"] == "ngram" and data["method"]["speculation"]["draft_tokens"] == 3
@@ -252,6 +252,7 @@ def test_speculative_bench_times_plain_and_speculative_decode_in_each_run(checkp
     assert all({"plain_decode_tok_s", "acceptance", "same_output"} <= set(x) for x in side["samples"])
     ref = next(s for s in data["sides"] if s["key"] == "transformers")
     assert ref["speculative"] is None  # the reference decodes plainly
+    assert "Linnet, generated PyTorch: speculative" in (tmp_path / "page.html").read_text()
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from linnet_core.backends import BACKEND_NAMES
+from linnet_core.bench import llama_server
 from linnet_core.bench.subjects import COMPARATORS, Method, pick
 from linnet_core.check.baseline import bench_gate, read_saved
 from linnet_core.errors import InputError
@@ -128,8 +129,6 @@ def bench_command(
                     speculation=wanted if wanted.chosen else None,
                     prompt_file=str(prompt_file) if prompt_file else None)
     if build_llama_server:
-        from linnet_core.bench import llama_server
-
         if llama_server.find() is None:
             sink.info("building llama-server (once, minutes)")
             llama_server.build(progress=sink.info)

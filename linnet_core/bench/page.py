@@ -20,6 +20,7 @@ from .report import (
     roofline,
     roofline_line,
     rows,
+    speculative_lines,
     status_text,
 )
 from .run import BenchResult
@@ -129,6 +130,7 @@ def render(result: BenchResult, command: str | None = None) -> str:
         sections.append(f'<h2>{escape(metric.title)}</h2><p class="sub">{escape(unit)}{better}; the best bar is '
                         f'red, Linnet blue.</p>{chart(rs, metric)}')
     reproduce = f'<p class="note">Reproduce: <code>{escape(command)}</code></p>' if command else ""
+    speculative = "".join(f'<p class="note">{escape(line)}</p>' for line in speculative_lines(result))
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width,initial-scale=1">
 <title>Linnet bench · {escape(result.model)}</title><style>{STYLE}</style></head>
@@ -147,7 +149,7 @@ difference from transformers on the same input), so that a fast wrong answer can
 <p class="sub">{escape(roofline_line(result))} Load time is from a cold process to a model that has produced a token.
 Peak memory is {escape(_memory_source(rs))}.</p>
 {every_number(rs)}
-{reproduce}
+{speculative}{reproduce}
 </body></html>
 """
 

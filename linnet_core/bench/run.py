@@ -34,6 +34,7 @@ from ..errors import CacheError, InputError, LinnetError
 from ..export.gguf_export import export_gguf
 from ..export.hf_export import export_hf
 from ..memory import check_fits
+from ..tokenizer import Tokenizer
 from ..weights import drop_cached
 from .machine import decode_bytes_per_step, environment, stream_bandwidth
 from .subjects import BASELINE, Method, Subject, why_missing
@@ -382,8 +383,6 @@ def bench(model: str | Path | Model | None, method: Method, subjects: list[Subje
 
 def _file_prompt(m: Model, path: str) -> list[int]:
     """A prompt file's text as the model's tokens (a text a continuation copies from: prompt lookup's case)."""
-    from ..tokenizer import Tokenizer  # the tokenizer's libraries: only for a file's prompt
-
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:

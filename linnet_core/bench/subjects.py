@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from ..backends import BACKEND_NAMES, get_backend
 from ..dtypes import FORMATS
 from ..errors import BackendUnavailable, InputError
+from . import llama_server
 
 if TYPE_CHECKING:
     from ..speculation import SpeculationOptions
@@ -147,8 +148,6 @@ def why_missing(subject: Subject, dtype: str, batch: int, device: str = "cpu") -
     if subject.key == "llama.cpp" and batch != 1:
         return "llama-cpp-python runs one sequence: batch 1 only"
     if subject.key == "llama-server":
-        from . import llama_server
-
         if device != "cpu":
             return "the llama-server Linnet builds is a CPU build"
         if batch != 1:

@@ -24,6 +24,7 @@ import numpy as np
 from ..check.reference import as_quantized
 from ..dtypes import FORMATS, torch_dtype
 from ..gguf.llama_open import open_llama
+from . import llama_server
 from .machine import peak_rss
 
 # Keep stdout for the protocol: library chatter goes to stderr.
@@ -92,7 +93,7 @@ class LinnetRunner:
         self.session, compiled = load_model(cfg["model"], cfg["backend"], cfg["dtype"], cfg["positions"],
                                             rows=self.batch, device=cfg["device"])
         self.cached = compiled.hit
-        self.speculation = None
+        self.speculation, self.turn = None, False
         if cfg.get("speculation"):
             from ..speculation import SpeculationOptions, load_speculation  # imports torch: not at start-up
 
@@ -120,9 +121,11 @@ class LinnetRunner:
         from ..runtime.generate import Generation  # imports torch: not at start-up
 
         plain = Generation(self.session, prompt, new)
-        plain_tokens = list(plain)
         spec = Generation(self.session, prompt, new, speculation=self.speculation)
-        spec_tokens = list(spec)
+        self.turn = not self.turn  # which goes first, in turn: neither always follows the other
+        first, second = (plain, spec) if self.turn else (spec, plain)
+        tokens = {id(first): list(first), id(second): list(second)}
+        plain_tokens, spec_tokens = tokens[id(plain)], tokens[id(spec)]
         return {"ttft_s": spec.stats.ttft_s, "decode_tok_s": spec.stats.decode_tok_s,
                 "plain_decode_tok_s": plain.stats.decode_tok_s, "acceptance": spec.speculative.acceptance,
                 "tokens_per_step": spec.speculative.tokens_per_step, "same_output": plain_tokens == spec_tokens}
@@ -242,10 +245,8 @@ class LlamaServerRunner:
     its n-gram lookup; k proposed, no confidence cut-off) and a plain one, each run timing both."""
 
     def __init__(self, cfg: dict):
-        from . import llama_server
-
         binary, spec = llama_server.require(), cfg.get("speculation")
-        logs, self.servers = Path(cfg["workdir"]), {}
+        logs, self.servers, self.turn = Path(cfg["workdir"]), {}, False
         plans = {"plain": ()}
         if spec:
             k = str(spec["draft_tokens"])
@@ -279,10 +280,13 @@ class LlamaServerRunner:
                 "draft_accepted": t.get("draft_n_accepted")}
 
     def run(self, prompts: list[list[int]], new: int) -> tuple[float, float] | dict:
-        plain = self._complete("plain", prompts[0], new)
         if "speculative" not in self.servers:
+            plain = self._complete("plain", prompts[0], new)
             return plain["ttft_s"], plain["decode_tok_s"]
-        spec = self._complete("speculative", prompts[0], new)
+        self.turn = not self.turn  # which goes first, in turn
+        order = ("plain", "speculative") if self.turn else ("speculative", "plain")
+        got = {name: self._complete(name, prompts[0], new) for name in order}
+        plain, spec = got["plain"], got["speculative"]
         proposed, accepted = spec["draft_n"] or 0, spec["draft_accepted"] or 0
         return {"ttft_s": spec["ttft_s"], "decode_tok_s": spec["decode_tok_s"],
                 "plain_decode_tok_s": plain["decode_tok_s"], "acceptance": accepted / proposed if proposed else 0.0}

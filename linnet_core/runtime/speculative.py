@@ -167,7 +167,8 @@ class SpeculativeStats:
 
     @property
     def tokens_per_step(self) -> float:
-        return self.tokens / self.steps if self.steps else 0.0
+        # with no draft checked, every target step yielded its one token
+        return self.tokens / self.steps if self.steps else 1.0
 
     def to_json(self) -> dict:
         return {"proposed": self.proposed, "accepted": self.accepted, "verify_steps": self.steps,

@@ -1,9 +1,11 @@
 // y [M, N] = x [M, K] @ w [N, K].T for 16-bit and float32 w, for the few token rows of a decode (or
 // speculative) step. Decode is bound by reading w. One weight row at a time, as ggml does: each thread's rows are
-// then one contiguous stream (8 rows at once, 8 streams a row apart, streamed ~20% slower here), which
-// a software prefetch a few KiB ahead keeps in L2 before the loads reach it: without it a pass of 5
-// token rows over a 4B model's weights cost 2.2x a pass of one (the loads waited on memory while the
-// dot products ran), with it ~1.05x. A pass of one row streams as fast without it. Two accumulators per token row keep two dot products in flight. bfloat16: the ISA's pair dot product where it has one (vec.h's dot_bf16).
+// then one contiguous stream (8 rows at once, 8 streams a row apart, streamed ~20% slower here). A
+// pass of several token rows also prefetches w into L2 a few KiB ahead: without it a pass of 5 rows
+// over the 4B shape's gate/up weights cost 2.2x a pass of one (the loads waited on memory while the
+// dot products ran), with it ~1.05x; a pass of one row streams as fast without it. Two accumulators
+// per token row keep two dot products in flight. bfloat16: the ISA's pair dot product where it has
+// one (vec.h's dot_bf16).
 // float16: weights and x widened in registers and multiplied into float32 (ggml's f16 vec_dot does
 // the same); widening x once per call instead, into a float32 copy, left a decode step's float16
 // linears 12% slower than bfloat16's. float32: the plain fused multiply-add.
