@@ -54,8 +54,10 @@ def test_bias_and_what_the_kernel_leaves_to_f_linear(ext):
 def test_each_dtype_takes_linnets_kernel(ext):
     from linnet_core.backends.cpu.linears import PackedFloatLinear
 
-    assert linear_kernel(torch.bfloat16) is DecodeLinear
+    # bf16 stays mapped where the ISA multiplies bf16 pairs; elsewhere it is repacked and widened as float16
+    assert linear_kernel(torch.bfloat16) is (DecodeLinear if ext.bf16_dot() else PackedFloatLinear)
     assert linear_kernel(torch.float16) is PackedFloatLinear and linear_kernel(torch.float32) is PackedFloatLinear
+    assert ext.bf16_dot() == (ext.level() in ("avx512", "neon-i8mm", "neon-dotprod-bf16"))
 
 
 @pytest.mark.parametrize("rows", [1, 2])
@@ -292,15 +294,16 @@ def test_float16_linears_run_decode_by_the_gemv_and_prompts_by_the_tiled_gemm(ex
         assert torch.allclose(got.float(), F.linear(prompt.float(), w.float()), atol=2e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
 def test_packed_float_linears_match_the_product(ext, dtype):
     """Weights repacked 8 rows interleaved compute the float32 product, rounded once to the dtype
-    (float16's half ulp; float32's own summation order), decode rows and prompts, at every tile edge
+    (a 16-bit type's half ulp; float32's own summation order), decode rows and prompts, at every tile edge
     (rows past a block of 8, token rows past a tile of 2 or 6)."""
     from linnet_core.backends.cpu.linears import PackedFloatLinear
 
     g = torch.Generator().manual_seed(7)
-    tol = dict(atol=2e-3, rtol=1e-3) if dtype == torch.float16 else dict(atol=1e-4, rtol=1e-4)
+    tol = {torch.float16: dict(atol=2e-3, rtol=1e-3), torch.bfloat16: dict(atol=1.6e-2, rtol=8e-3),
+           torch.float32: dict(atol=1e-4, rtol=1e-4)}[dtype]
     for N, K in ((45, 32), (700, 64), (8, 48)):
         w, b = torch.randn(N, K, generator=g).to(dtype), torch.randn(N, generator=g).to(dtype)
         packed = ext.repack_rows8_float(w)
@@ -317,10 +320,34 @@ def test_packed_float_linears_match_the_product(ext, dtype):
             got = ext.packed_float_linear(prompt, packed, N)
             assert got.dtype == dtype and got.shape == (1, tokens, N)
             assert torch.allclose(got.float(), F.linear(prompt.double(), w.double()).float(), **tol)
+            # the prompt tiles' rows are the decode pass's: a speculative check's rows are decode's
+            assert torch.equal(got[0, :2], ext.packed_float_linear(prompt[0, :2], packed, N))
     with pytest.raises(RuntimeError, match="blocks of another shape"):
         ext.packed_float_linear(torch.randn(1, 32).half(), ext.repack_rows8_float(torch.randn(16, 32).half()), 24)
     with pytest.raises(RuntimeError, match="K % 16 == 0"):
         ext.repack_rows8_float(torch.randn(8, 40).half())
+
+
+def test_bf16_prompts_take_the_widening_tiles_where_the_isa_has_no_bf16_dot(ext):
+    """A bf16 prompt over a weight in its row layout: the register tiles (float32 inside, rounded once)
+    where the ISA has no bf16 dot product (oneDNN's bf16 GEMM there ran ~6x llama.cpp's prompt time),
+    F.linear where it has one; a tied bf16 head (RowLinear) goes the same way."""
+    from linnet_core.backends.cpu.linears import RowLinear
+
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(700, 64, generator=g).to(torch.bfloat16)
+    for tokens in (17, 18, 19, 40):  # past the GEMV's 16 rows: whole and short tiles
+        prompt = torch.randn(1, tokens, 64, generator=g).to(torch.bfloat16)
+        tiles = ext.gemm_bf16(prompt, w)
+        assert tiles.dtype == torch.bfloat16 and tiles.shape == (1, tokens, 700)
+        assert torch.allclose(tiles.float(), F.linear(prompt.double(), w.double()).float(), atol=1.6e-2, rtol=8e-3)
+        want = F.linear(prompt, w) if ext.bf16_dot() else tiles
+        assert torch.equal(ext.bf16_linear(prompt, w), want)
+        assert torch.equal(RowLinear(w, 0).eager(prompt, None), want)
+    one = torch.randn(1, 64, generator=g).to(torch.bfloat16)
+    assert torch.equal(RowLinear(w, 0).eager(one, None), ext.gemv_bf16(one, w))
+    with pytest.raises(RuntimeError, match="bfloat16 x and w"):
+        ext.gemm_bf16(one.half(), w)
 
 
 def test_float16_heads_tied_to_the_token_table_keep_their_layout(ext):

@@ -30,8 +30,9 @@ from .torch_emit import emit
 
 # Linear weights the eager backend repacks at load: float32 for Linnet's kernel where it runs
 # (csrc/gemv.cpp's 8-row layout, a plain read's speed), for oneDNN elsewhere (35 vs 16 GB/s for
-# F.linear here). bfloat16 stays mapped, served by Linnet's own GEMV where it runs (~41 GB/s, no
-# copy; packing 8 GB for oneDNN took ~3.5 s at every load for 14%) and F.linear elsewhere.
+# F.linear here). bfloat16 stays mapped where the ISA multiplies bf16, served by Linnet's own GEMV
+# (~41 GB/s, no copy; packing 8 GB for oneDNN took ~3.5 s at every load for 14%); elsewhere it is
+# repacked as float16 is, and F.linear serves it where Linnet's kernels do not build.
 PACKED_AT_LOAD = ("float32",)
 
 

@@ -108,6 +108,14 @@ def self_check(ext) -> str | None:
             return "its float16 linear disagreed with F.linear"
         if not torch.allclose(ext.packed_float_linear(xh, ext.repack_rows8_float(wh), 50).float(), want, atol=5e-2, rtol=5e-3):
             return "its packed float16 linear disagreed with F.linear"
+    wb = wh.to(torch.bfloat16)  # bf16 widened: the packed layout and the row layout's prompt tiles
+    for rows in (1, 2, 7, 20):
+        xb = torch.randn(rows, 80, generator=g).to(torch.bfloat16)
+        want = F.linear(xb.float(), wb.float())
+        if not torch.allclose(ext.packed_float_linear(xb, ext.repack_rows8_float(wb), 50).float(), want, atol=0.1, rtol=2e-2):
+            return "its packed bfloat16 linear disagreed with F.linear"
+        if rows > 2 and not torch.allclose(ext.gemm_bf16(xb, wb).float(), want, atol=0.1, rtol=2e-2):
+            return "its bfloat16 prompt tiles disagreed with F.linear"
     for fmt in QUANT_CODES:
         for rows in (1, 3, 5, 11):  # token rows in and past one register pass; 43 rows: a padded group
             x, wq = torch.randn(rows, 96, generator=g), quantize(torch.randn(43, 96, generator=g), fmt)

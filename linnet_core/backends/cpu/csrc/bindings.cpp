@@ -6,6 +6,7 @@
 torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor gemv_f16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor gemm_f16(const torch::Tensor& x, const torch::Tensor& w);
+torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor row_linear(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor gemv_f32(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor repack_rows8_float(const torch::Tensor& w);
@@ -38,10 +39,12 @@ int64_t activate(int64_t session);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("level", &linnet::level_name, "the ISA level this build was compiled for");
+  m.def("bf16_dot", [] { return linnet::kBf16Dot; }, "whether this level multiplies bfloat16 pairs natively");
   m.def("gemv_bf16", &gemv_bf16, "bf16 x [M, K] @ w [N, K].T, 8 rows a pass");
   m.def("gemv_f16", &gemv_f16, "f16 x [M, K] @ w [N, K].T, float32 inside, 8 rows a pass");
   m.def("gemm_f16", &gemm_f16, "f16 x [..., K] @ w [N, K].T, register tiles widening w, float32 inside");
-  m.def("bf16_linear", &bf16_linear, "bf16 x [..., K] @ w [N, K].T: the GEMV for 1-2 rows, F.linear otherwise");
+  m.def("gemm_bf16", &gemm_bf16, "bf16 x [..., K] @ w [N, K].T, register tiles widening w, float32 inside");
+  m.def("bf16_linear", &bf16_linear, "bf16 x [..., K] @ w [N, K].T: the GEMV for a few rows; prompts by the tiles where the ISA has no bf16 dot, else F.linear");
   m.def("row_linear", &row_linear, "f16/f32 x [..., K] @ w [N, K].T: the GEMV for 1-2 rows, a GEMM for prompts");
   m.def("gemv_f32", &gemv_f32, "f32 x [M, K] @ w [N, K].T, 8 rows a pass");
   m.def("repack_rows8_float", &repack_rows8_float, "f16/f32 w [N, K] -> [ceil(N/8), K/16, 8, 16]: 8 rows interleaved (a copy)");

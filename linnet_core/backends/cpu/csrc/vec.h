@@ -202,16 +202,19 @@ inline void store_i8(int8_t* p, Vf v) {
 // operands 16-bit. bfloat16 uses the ISA's pair dot product where it has one (AVX-512 BF16's
 // vdpbf16ps as ggml's bf16 vec_dot, ARM's bfdot), else widens both (a shift) and multiplies.
 #if LINNET_AVX512
+constexpr bool kBf16Dot = true;  // the ISA multiplies bf16 pairs (oneDNN's bf16 GEMM runs at speed too)
 constexpr int64_t kBf16Step = 32;
 inline Vf dot_bf16(Vf acc, const uint16_t* w, const uint16_t* x) {
   return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), (__m512bh)_mm512_loadu_si512(x));
 }
 #elif LINNET_NEON && defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC)
+constexpr bool kBf16Dot = true;
 constexpr int64_t kBf16Step = 8;
 inline Vf dot_bf16(Vf acc, const uint16_t* w, const uint16_t* x) {
   return vbfdotq_f32(acc, vreinterpretq_bf16_u16(vld1q_u16(w)), vreinterpretq_bf16_u16(vld1q_u16(x)));
 }
 #else
+constexpr bool kBf16Dot = false;
 constexpr int64_t kBf16Step = kW;
 inline Vf dot_bf16(Vf acc, const uint16_t* w, const uint16_t* x) {
   return fma(load((const at::BFloat16*)w), load((const at::BFloat16*)x), acc);
