@@ -29,10 +29,11 @@ The kernels:
   blocks repacked once at load (8 rows interleaved). A float32 path (dequantizing in registers,
   row by row) streamed q4_0 at 15.6 GB/s on this machine class; this one 36-47, a plain read of
   memory's speed (`bench/quant_gemv.py`), and prompts run 2.7x faster than float32 F.linear.
-- `gemm_f16`: float16 prompts in register tiles, the weights widened in registers as llama.cpp's
-  tinyBLAS does (2x MKL's float32 GEMM over widened copies, ~7x PyTorch's CPU float16 GEMM).
-- `repack_rows8_float`, `packed_float_linear`: float16 and float32 weights copied once at load 8 rows
-  interleaved, decode's GEMV loading x once for 8 rows in one stream (~16% faster than the row kernel
+- `gemm_f16`, `gemm_bf16`: 16-bit prompts in register tiles, the weights widened in registers as
+  llama.cpp's tinyBLAS does (2x MKL's float32 GEMM over widened copies, ~7x PyTorch's CPU float16
+  GEMM; bf16's where the ISA has no bf16 dot, whose oneDNN GEMM there was ~6x slower).
+- `repack_rows8_float`, `packed_float_linear`: float16 and float32 weights (bfloat16 too where the ISA
+  has no bf16 dot: `bf16_dot()`) copied once at load 8 rows interleaved, decode's GEMV loading x once for 8 rows in one stream (~16% faster than the row kernel
   at Qwen3-4B's shapes) and the prompt tiles over the same layout; a head tied to the token table
   keeps the row layout and `row_linear`.
 - `ops.cpp`: the kernels as C++ operators (`torch.ops.linnet_kernels.*`) for compiled steps, and

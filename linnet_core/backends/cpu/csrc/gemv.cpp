@@ -264,7 +264,10 @@ void packed_blocks(const W* x, const W* w, int64_t K, int64_t N, int64_t b0, int
     Vf acc[M][PACK];
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < PACK; ++r) acc[m][r] = zero();
-    for (int64_t k = 0; k < K; k += CHUNK)
+    for (int64_t k = 0; k < K; k += CHUNK) {
+      if constexpr (kPrefetchOneStream)
+        for (int64_t byte = 0; byte < CHUNK * PACK * (int64_t)sizeof(W); byte += 64)
+          prefetch_l2((const char*)(block + k * PACK) + kPrefetchBytes + byte);
       for (int64_t part = 0; part < CHUNK; part += kW) {
         Vf xv[M];
         for (int m = 0; m < M; ++m) xv[m] = load(x + m * K + k + part);
@@ -274,6 +277,7 @@ void packed_blocks(const W* x, const W* w, int64_t K, int64_t N, int64_t b0, int
           for (int m = 0; m < M; ++m) acc[m][r] = fma(wv, xv[m], acc[m][r]);
         }
       }
+    }
     for (int r = 0; r < PACK && b * PACK + r < N; ++r)
       for (int m = 0; m < M; ++m) y[m * N + b * PACK + r] = from_f32<W>(reduce_add(acc[m][r]));
   }
