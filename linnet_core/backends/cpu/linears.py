@@ -162,8 +162,9 @@ class DecodeLinear(CpuLinear):
 
 class RowLinear(DecodeLinear):
     """A 16-bit or float32 weight kept as mapped (no copy; a head tied to the token table): Linnet's
-    GEMV for decode, and for 16-bit prompts its tiled GEMM (bf16's where the ISA has no bf16 dot), both widening the weights in registers
-    (PyTorch's CPU float16 GEMM ran ~7x slower at Qwen3-4B's shapes)."""
+    GEMV for decode, and for 16-bit prompts its tiled GEMM (bf16's where the ISA has no bf16 dot),
+    both widening the weights in registers (PyTorch's CPU float16 GEMM ran ~7x slower at Qwen3-4B's
+    shapes)."""
 
     native_kind = NATIVE_ROW
 
@@ -173,8 +174,8 @@ class RowLinear(DecodeLinear):
 
 
 class PackedFloatLinear(CpuLinear):
-    """A float16, float32 or bfloat16 (no bf16 dot product in the ISA) weight repacked once, 8 rows interleaved (a copy in 2 MiB pages, the mapped
-    original released): one stream per thread that loads each 16 of x once for 8 rows, a GEMV 16%
+    """A float16, float32 or bfloat16 (no bf16 dot product in the ISA) weight repacked once, 8 rows
+    interleaved (a copy in 2 MiB pages, the mapped original released): one stream per thread that loads each 16 of x once for 8 rows, a GEMV 16%
     faster than the row-at-a-time one for float16 at Qwen3-4B's shapes; the same layout's register
     tiles for prompts."""
 
@@ -228,8 +229,8 @@ class QuantTable:
 
 def linear_kernel(dtype: torch.dtype) -> type[CpuLinear] | None:
     """The kernel class for linear weights of `dtype` on this CPU: Linnet's own (bf16 GEMV where the
-    ISA multiplies bf16; float16, float32 and other bf16 weights repacked for its GEMVs and tiles) where they build and run, else oneDNN's packed weights
-    where they run, else none (F.linear)."""
+    ISA multiplies bf16; float16, float32 and other bf16 weights repacked for its GEMVs and tiles)
+    where they build and run, else oneDNN's packed weights where they run, else none (F.linear)."""
     ext = extension.extension()
     if ext is not None:
         if dtype == torch.bfloat16 and ext.bf16_dot():  # mapped as is: the ISA's bf16 dot and oneDNN's GEMM

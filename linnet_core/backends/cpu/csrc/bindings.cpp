@@ -45,9 +45,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_f16", &gemm_f16, "f16 x [..., K] @ w [N, K].T, register tiles widening w, float32 inside");
   m.def("gemm_bf16", &gemm_bf16, "bf16 x [..., K] @ w [N, K].T, register tiles widening w, float32 inside");
   m.def("bf16_linear", &bf16_linear, "bf16 x [..., K] @ w [N, K].T: the GEMV for a few rows; prompts by the tiles where the ISA has no bf16 dot, else F.linear");
-  m.def("row_linear", &row_linear, "f16/f32 x [..., K] @ w [N, K].T: the GEMV for 1-2 rows, a GEMM for prompts");
+  m.def("row_linear", &row_linear, "16-bit/f32 x [..., K] @ w [N, K].T: the GEMV for 1-2 rows, a GEMM for prompts");
   m.def("gemv_f32", &gemv_f32, "f32 x [M, K] @ w [N, K].T, 8 rows a pass");
-  m.def("repack_rows8_float", &repack_rows8_float, "f16/f32 w [N, K] -> [ceil(N/8), K/16, 8, 16]: 8 rows interleaved (a copy)");
+  m.def("repack_rows8_float", &repack_rows8_float, "f16/bf16/f32 w [N, K] -> [ceil(N/8), K/16, 8, 16]: 8 rows interleaved (a copy)");
   m.def("packed_float_linear", &packed_float_linear, "f16/f32 x [..., K] @ W.T, W [N, K] from repack_rows8_float: N given");
   m.def("quant_linear", &quant_linear, "float32 x [..., K] @ W.T, W [N, K] as q8_0 (0) / q4_0 (1) blocks from repack_rows8");
   m.def("repack_rows8", &repack_rows8, "GGUF q8_0 (0) / q4_0 (1) blocks [N, K/32*bb] -> 8 rows interleaved per block");

@@ -160,9 +160,8 @@ torch::Tensor gemv_f32(const torch::Tensor& x, const torch::Tensor& w) {
 // y [M, N] = x [M, K] @ w [N, K].T for 16-bit w (float16; bfloat16 where the ISA has no bf16 dot
 // product) and many token rows (prompts), as llama.cpp's tinyBLAS does: register tiles of RM token
 // rows x RN weight rows, the weights widened in registers and multiplied into float32, so no widened
-// copy of w is ever written. Threads take blocks of
-// weight rows (each streams its own part of w once); within a block every token row's tile reuses
-// the block's rows from L1/L2.
+// copy of w is ever written. Threads take blocks of weight rows (each streams its own part of w
+// once); within a block every token row's tile reuses the block's rows from L1/L2.
 namespace {
 
 // accumulators + token vectors + a weight vector fit the registers: 24 + 4 + 1 of 32, 12 + 3 + 1 of 16
@@ -243,9 +242,9 @@ torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w) {
   return gemm_tiles<at::BFloat16>(x, w, "gemm_bf16");
 }
 
-// float16 and float32 weights (and bfloat16 where the ISA has no bf16 dot product: 65 against 57 tok/s
-// for the row layout's GEMV at 191M on an AVX2 EPYC) repacked once at load for the kernels below: w [N, K] -> [ceil(N / 8),
-// K / 16, 8, 16], 8 rows interleaved 16 weights at a time (rows past N are zeros). One pass reads 8
+// float16 and float32 weights (and bfloat16 where the ISA has no bf16 dot product: 59.5 against 56.7
+// tok/s for the row layout's GEMV at 191M on an AVX2 EPYC) repacked once at load for the kernels
+// below: w [N, K] -> [ceil(N / 8), K / 16, 8, 16], 8 rows interleaved 16 weights at a time (rows past N are zeros). One pass reads 8
 // rows as one stream and loads (widens) each 16 of x once for all 8, where the row-at-a-time GEMV
 // above does so once per row: +16% for float16 at Qwen3-4B's shapes (bench/half_gemv.py --shapes
 // 4b), a plain read's speed. Several rows of the unpacked layout at once (several streams, as
