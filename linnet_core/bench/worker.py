@@ -85,6 +85,12 @@ class MemoryWatch:
                 "peak_rss_bytes": rss}
 
 
+def in_turn(turn: bool) -> tuple[str, str]:
+    """The order of a run's plain and speculative decode, flipped each run: neither always follows
+    the other (and inherits its warm caches or the bus's minute)."""
+    return ("plain", "speculative") if turn else ("speculative", "plain")
+
+
 class LinnetRunner:
     def __init__(self, cfg: dict):
         from ..compile import load_model  # imports torch: not at start-up
@@ -122,10 +128,10 @@ class LinnetRunner:
 
         plain = Generation(self.session, prompt, new)
         spec = Generation(self.session, prompt, new, speculation=self.speculation)
-        self.turn = not self.turn  # which goes first, in turn: neither always follows the other
-        first, second = (plain, spec) if self.turn else (spec, plain)
-        tokens = {id(first): list(first), id(second): list(second)}
-        plain_tokens, spec_tokens = tokens[id(plain)], tokens[id(spec)]
+        self.turn = not self.turn
+        runs = {"plain": plain, "speculative": spec}
+        tokens = {name: list(runs[name]) for name in in_turn(self.turn)}
+        plain_tokens, spec_tokens = tokens["plain"], tokens["speculative"]
         return {"ttft_s": spec.stats.ttft_s, "decode_tok_s": spec.stats.decode_tok_s,
                 "plain_decode_tok_s": plain.stats.decode_tok_s, "acceptance": spec.speculative.acceptance,
                 "tokens_per_step": spec.speculative.tokens_per_step, "same_output": plain_tokens == spec_tokens}
@@ -283,9 +289,8 @@ class LlamaServerRunner:
         if "speculative" not in self.servers:
             plain = self._complete("plain", prompts[0], new)
             return plain["ttft_s"], plain["decode_tok_s"]
-        self.turn = not self.turn  # which goes first, in turn
-        order = ("plain", "speculative") if self.turn else ("speculative", "plain")
-        got = {name: self._complete(name, prompts[0], new) for name in order}
+        self.turn = not self.turn
+        got = {name: self._complete(name, prompts[0], new) for name in in_turn(self.turn)}
         plain, spec = got["plain"], got["speculative"]
         proposed, accepted = spec["draft_n"] or 0, spec["draft_accepted"] or 0
         return {"ttft_s": spec["ttft_s"], "decode_tok_s": spec["decode_tok_s"],
