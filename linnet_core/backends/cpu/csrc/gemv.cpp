@@ -264,9 +264,6 @@ void packed_blocks(const W* x, const W* w, int64_t K, int64_t N, int64_t b0, int
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < PACK; ++r) acc[m][r] = zero();
     for (int64_t k = 0; k < K; k += CHUNK) {
-      if constexpr (kPrefetchOneStream)
-        for (int64_t byte = 0; byte < CHUNK * PACK * (int64_t)sizeof(W); byte += 64)
-          prefetch_l2((const char*)(block + k * PACK) + kPrefetchBytes + byte);
       for (int64_t part = 0; part < CHUNK; part += kW) {
         Vf xv[M];
         for (int m = 0; m < M; ++m) xv[m] = load(x + m * K + k + part);

@@ -399,15 +399,9 @@ inline const char* level_name() {
 // pass of several token rows, busy with their dot products, keeps its weight stream flowing with it.
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of a stream (5 and 16 KiB ran slower here)
-// Whether one stream (a decode pass of one token row) prefetches too. On a Zen 2 (AVX2 only) the
-// packed GEMV's steps ran 7% faster with it at float32, 3% at bfloat16 (bench/compare_checkouts.py
-// --steps); on a Zen 4 (AVX-512) the row GEMV's one stream ran 2% slower with it, so AVX-512 and
-// NEON (not measured) leave it to the hardware prefetcher.
-#if LINNET_AVX2
-constexpr bool kPrefetchOneStream = true;
-#else
-constexpr bool kPrefetchOneStream = false;
-#endif
+// One stream (a decode pass of one token row) is left to the hardware's prefetcher: with a hint
+// 8 KiB ahead the packed GEMV's steps ran 11% slower at float32 and 6-10% at float16 on a Zen 2
+// (one process stepping both builds in turn), and the row GEMV's 2% slower on a Zen 4.
 
 inline Vf rounded(Vf v, const float*) { return v; }
 inline Vf neg(Vf a) { return sub(zero(), a); }
