@@ -298,13 +298,14 @@ def test_float16_linears_run_decode_by_the_gemv_and_prompts_by_the_tiled_gemm(ex
 def test_packed_float_linears_match_the_product(ext, dtype):
     """Weights repacked 8 rows interleaved compute the float32 product, rounded once to the dtype
     (a 16-bit type's half ulp; float32's own summation order), decode rows and prompts, at every tile edge
-    (rows past a block of 8, token rows past a tile of 2 or 6)."""
+    (rows past a block of 8, token rows past a tile of 2 or 6; K over several of the prompt's slices, tokens
+    past a group of tiles)."""
     from linnet_core.backends.cpu.linears import PackedFloatLinear
 
     g = torch.Generator().manual_seed(7)
     tol = {torch.float16: dict(atol=2e-3, rtol=1e-3), torch.bfloat16: dict(atol=1.6e-2, rtol=8e-3),
            torch.float32: dict(atol=1e-4, rtol=1e-4)}[dtype]
-    for N, K in ((45, 32), (700, 64), (8, 48)):
+    for N, K in ((45, 32), (700, 64), (8, 48), (24, 2080)):
         w, b = torch.randn(N, K, generator=g).to(dtype), torch.randn(N, generator=g).to(dtype)
         packed = ext.repack_rows8_float(w)
         assert packed.shape == ((N + 7) // 8, K // 16, 8, 16) and packed.dtype == dtype
@@ -315,13 +316,14 @@ def test_packed_float_linears_match_the_product(ext, dtype):
             assert got.dtype == dtype and got.shape == (rows, 1, N)
             assert torch.allclose(got.float(), F.linear(x.double(), w.double()).float(), **tol)
             assert torch.equal(kernel.eager(x, b), got + b)
-        for tokens in range(3, 14):
+        for tokens in [*range(3, 14), 53]:
             prompt = torch.randn(1, tokens, K, generator=g).to(dtype)
             got = ext.packed_float_linear(prompt, packed, N)
             assert got.dtype == dtype and got.shape == (1, tokens, N)
             assert torch.allclose(got.float(), F.linear(prompt.double(), w.double()).float(), **tol)
             # the prompt tiles' rows are the decode pass's: a speculative check's rows are decode's
             assert torch.equal(got[0, :2], ext.packed_float_linear(prompt[0, :2], packed, N))
+            assert torch.equal(got[0, -1:], ext.packed_float_linear(prompt[0, -1:], packed, N))
     with pytest.raises(RuntimeError, match="blocks of another shape"):
         ext.packed_float_linear(torch.randn(1, 32).half(), ext.repack_rows8_float(torch.randn(16, 32).half()), 24)
     with pytest.raises(RuntimeError, match="K % 16 == 0"):

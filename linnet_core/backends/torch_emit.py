@@ -231,6 +231,7 @@ TORCH = Dialect(
            STEP_KERNELS),
     loop="for i, w in enumerate(layers):",
     returns="return {outputs}",
+    frees=True,
 )
 
 TORCH_RAGGED = replace(

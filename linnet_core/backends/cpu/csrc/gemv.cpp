@@ -16,6 +16,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -280,16 +282,19 @@ void packed_blocks(const W* x, const W* w, int64_t K, int64_t N, int64_t b0, int
 }
 
 // RM token rows of x [M, K] (X: the weights' dtype, widened in registers, or a float32 copy; see
-// kTokensAsFloat) against 4 rows of a packed block (those from r0): RM x 4
+// kTokensAsFloat) against 4 rows of a packed block (those from r0), over the slice [k0, k1) of K: RM x 4
 // accumulators, for prompts. Half a block a tile, so 6 token rows fit 32 registers (3 fit 16) and
-// each weight vector serves 6 FMAs (8 rows x 3 tokens ran ~5% slower than the unpacked tiles).
+// each weight vector serves 6 FMAs (8 rows x 3 tokens ran ~5% slower than the unpacked tiles). Between
+// slices the accumulators wait in `park` (row i's at park[i * stride]), as vectors: each output still
+// sums in the decode GEMV's order, so a draft's check computes what plain decode does.
 template <typename W, typename X, int RM>
-void packed_tile(const X* x, const W* block, int64_t K, int64_t N, int64_t m0, int64_t n0, int r0, W* y) {
+void packed_tile(const X* x, const W* block, int64_t K, int64_t N, int64_t m0, int64_t n0, int r0, int64_t k0,
+                 int64_t k1, Vf* park, int64_t stride, W* y) {
   constexpr int RN = PACK / 2;
   Vf acc[RM][RN];
   for (int i = 0; i < RM; ++i)
-    for (int r = 0; r < RN; ++r) acc[i][r] = zero();
-  for (int64_t k = 0; k < K; k += CHUNK)
+    for (int r = 0; r < RN; ++r) acc[i][r] = k0 == 0 ? zero() : park[i * stride + r];
+  for (int64_t k = k0; k < k1; k += CHUNK)
     for (int64_t part = 0; part < CHUNK; part += kW) {
       const W* wk = block + k * PACK + r0 * CHUNK + part;
       Vf xv[RM];  // RM token vectors held, one weight vector at a time: RM + 1 + 4 RM registers
@@ -299,15 +304,21 @@ void packed_tile(const X* x, const W* block, int64_t K, int64_t N, int64_t m0, i
         for (int i = 0; i < RM; ++i) acc[i][r] = fma(xv[i], wv, acc[i][r]);
       }
     }
+  if (k1 < K) {
+    for (int i = 0; i < RM; ++i)
+      for (int r = 0; r < RN; ++r) park[i * stride + r] = acc[i][r];
+    return;
+  }
   for (int i = 0; i < RM; ++i)
     for (int r = 0; r < RN && n0 + r0 + r < N; ++r)
       y[(m0 + i) * N + n0 + r0 + r] = from_f32<W>(reduce_add(acc[i][r]));
 }
 
 template <typename W, typename X, int RM>
-void packed_tiles(const X* x, const W* block, int64_t K, int64_t N, int64_t m0, int64_t n0, W* y) {
-  packed_tile<W, X, RM>(x, block, K, N, m0, n0, 0, y);
-  if (n0 + PACK / 2 < N) packed_tile<W, X, RM>(x, block, K, N, m0, n0, PACK / 2, y);
+void packed_tiles(const X* x, const W* block, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t k0, int64_t k1,
+                  Vf* park, int64_t stride, W* y) {
+  packed_tile<W, X, RM>(x, block, K, N, m0, n0, 0, k0, k1, park, stride, y);
+  if (n0 + PACK / 2 < N) packed_tile<W, X, RM>(x, block, K, N, m0, n0, PACK / 2, k0, k1, park + PACK / 2, stride, y);
 }
 
 // 24 accumulators + 6 token vectors + 1 weight vector of 32 registers; 12 + 3 + 1 of 16
@@ -319,23 +330,40 @@ constexpr int64_t PACKED_BLOCKS_PER_TASK = 6;  // 48 weight rows a thread holds 
 // and 101 -> 136 GFLOP/s, bench/half_gemv.py). The 6 x 4 tiles of 32 registers keep x as stored.
 constexpr bool kTokensAsFloat = kRegs == 16;
 
+// A prompt's pass over a task's blocks can go through K in slices of PROMPT_SLICE_BYTES of each weight
+// row, and through the token rows in groups of PROMPT_GROUP_TILES tiles, so that one slice of the task's
+// blocks (192 KiB) stays in L2 while a group's rows pass. Only float32 in the 16-register build gains
+// (4B shape, bench/half_gemv.py: Zen 2 117 -> 134 GFLOP/s, Zen 4's AVX2 build 143 -> 149); 16-bit
+// weights and the AVX-512 build lost 2-8%, so they take K whole.
+constexpr int64_t PROMPT_SLICE_BYTES = 4096, PROMPT_GROUP_TILES = 8;
+template <typename W>
+constexpr bool kSlicePrompt = kRegs == 16 && std::is_same_v<W, float>;
+
 template <typename W, typename X>
 void packed_prompt(const X* xp, const W* wp, int64_t M, int64_t K, int64_t N, int64_t blocks, W* yp) {
   const int64_t tasks = (blocks + PACKED_BLOCKS_PER_TASK - 1) / PACKED_BLOCKS_PER_TASK;
+  constexpr int64_t group = PROMPT_GROUP_TILES * PACKED_TILE_M, stride = PACKED_BLOCKS_PER_TASK * PACK;
+  const int64_t slice = kSlicePrompt<W> ? PROMPT_SLICE_BYTES / int64_t(sizeof(W)) : K;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<Vf> park(kSlicePrompt<W> ? group * stride : 0);  // [group row][block of the task][its 8 rows]
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b0 = t * PACKED_BLOCKS_PER_TASK, b1 = std::min(blocks, b0 + PACKED_BLOCKS_PER_TASK);
-      for (int64_t m0 = 0; m0 < M; m0 += PACKED_TILE_M)
-        for (int64_t b = b0; b < b1; ++b) {
-          const W* block = wp + b * K * PACK;
-          switch (std::min(PACKED_TILE_M, M - m0)) {
-            case 1: packed_tiles<W, X, 1>(xp, block, K, N, m0, b * PACK, yp); break;
-            case 2: packed_tiles<W, X, 2>(xp, block, K, N, m0, b * PACK, yp); break;
-            case 3: packed_tiles<W, X, 3>(xp, block, K, N, m0, b * PACK, yp); break;
-            case 4: packed_tiles<W, X, 4>(xp, block, K, N, m0, b * PACK, yp); break;
-            case 5: packed_tiles<W, X, 5>(xp, block, K, N, m0, b * PACK, yp); break;
-            default: packed_tiles<W, X, 6>(xp, block, K, N, m0, b * PACK, yp);
-          }
+      for (int64_t g0 = 0; g0 < M; g0 += group)
+        for (int64_t k0 = 0; k0 < K; k0 += slice) {
+          const int64_t k1 = std::min(K, k0 + slice);
+          for (int64_t m0 = g0; m0 < std::min(M, g0 + group); m0 += PACKED_TILE_M)
+            for (int64_t b = b0; b < b1; ++b) {
+              const W* block = wp + b * K * PACK;
+              Vf* pk = kSlicePrompt<W> ? park.data() + ((m0 - g0) * PACKED_BLOCKS_PER_TASK + (b - b0)) * PACK : nullptr;
+              switch (std::min(PACKED_TILE_M, M - m0)) {
+                case 1: packed_tiles<W, X, 1>(xp, block, K, N, m0, b * PACK, k0, k1, pk, stride, yp); break;
+                case 2: packed_tiles<W, X, 2>(xp, block, K, N, m0, b * PACK, k0, k1, pk, stride, yp); break;
+                case 3: packed_tiles<W, X, 3>(xp, block, K, N, m0, b * PACK, k0, k1, pk, stride, yp); break;
+                case 4: packed_tiles<W, X, 4>(xp, block, K, N, m0, b * PACK, k0, k1, pk, stride, yp); break;
+                case 5: packed_tiles<W, X, 5>(xp, block, K, N, m0, b * PACK, k0, k1, pk, stride, yp); break;
+                default: packed_tiles<W, X, 6>(xp, block, K, N, m0, b * PACK, k0, k1, pk, stride, yp);
+              }
+            }
         }
     }
   });
