@@ -61,12 +61,24 @@ def normalize_format(name: str) -> str | None:
     return FORMAT_ALIASES.get(str(name).lower().removeprefix("torch."))
 
 
-QUANT_COMPUTE = "float32"  # activations and the KV cache of quantized weights, as llama.cpp's CPU path keeps them
+QUANT_COMPUTE = "float32"  # activations of quantized weights (and their KV cache where a backend does not narrow it)
 
 
 def compute_dtype(name: str) -> str:
     """The compute dtype a storage format runs in: itself, or float32 for a block-quantized one."""
     return name if FORMATS[name].compute else QUANT_COMPUTE
+
+
+# The KV cache of block-quantized weights where a backend holds it apart from the activations: half
+# float32's bytes to keep and to read each step, as llama.cpp keeps its cache (its rounding is far
+# below the weights' own).
+QUANT_KV_CACHE = "float16"
+
+
+def narrow_kv_cache_dtype(name: str) -> str:
+    """The KV cache's dtype under a storage format where the backend may hold it narrower than the
+    activations: float16 for a block-quantized format, else the compute dtype."""
+    return QUANT_KV_CACHE if FORMATS[name].quantized else compute_dtype(name)
 
 
 def torch_dtype(name: str) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from .dtypes import FORMATS, compute_dtype
+from .dtypes import FORMATS
 from .errors import BackendUnavailable
 from .models import build_graph
 from .models.spec import ModelSpec
@@ -39,8 +39,9 @@ def weight_bytes(spec: ModelSpec, dtype: str, copies_of_tied: int = 1) -> int:
     return total
 
 
-def kv_cache_bytes(spec: ModelSpec, dtype: str, cache_len: int, rows: int) -> int:
-    return FORMATS[compute_dtype(dtype)].nbytes(spec.num_layers * 2 * rows * spec.num_kv_heads * cache_len * spec.head_dim)
+def kv_cache_bytes(spec: ModelSpec, cache_dtype: str, cache_len: int, rows: int) -> int:
+    """Bytes of a KV cache held in compute dtype `cache_dtype` (a backend's kv_cache_dtype)."""
+    return FORMATS[cache_dtype].nbytes(spec.num_layers * 2 * rows * spec.num_kv_heads * cache_len * spec.head_dim)
 
 
 def proc_kib(path: str, field: str) -> int | None:
@@ -60,10 +61,10 @@ def available_bytes() -> int | None:
     return proc_kib("/proc/meminfo", "MemAvailable")
 
 
-def session_bytes(spec: ModelSpec, dtype: str, cache_len: int, rows: int, weight_copies: float,
+def session_bytes(spec: ModelSpec, dtype: str, cache_dtype: str, cache_len: int, rows: int, weight_copies: float,
                   copies_of_tied: int = 1) -> int:
     return int(weight_bytes(spec, dtype, copies_of_tied) * weight_copies) \
-        + kv_cache_bytes(spec, dtype, cache_len, rows) + RUNTIME_BYTES
+        + kv_cache_bytes(spec, cache_dtype, cache_len, rows) + RUNTIME_BYTES
 
 
 def check_fits(spec: ModelSpec, backend, dtype: str, cache_len: int, rows: int, device: str) -> None:
@@ -74,12 +75,13 @@ def check_fits(spec: ModelSpec, backend, dtype: str, cache_len: int, rows: int, 
     if free is None:
         return
     copies = backend.weight_copies(dtype, device)
-    need = session_bytes(spec, dtype, cache_len, rows, copies, backend.copies_of_tied)
+    kv = backend.kv_cache_dtype(dtype)
+    need = session_bytes(spec, dtype, kv, cache_len, rows, copies, backend.copies_of_tied)
     if need > free * HEADROOM:
         weights = weight_bytes(spec, dtype, backend.copies_of_tied) * copies
         raise BackendUnavailable(
             f"{backend.title} in {dtype} needs about {need / GIB:.1f} GiB here ({weights / GIB:.1f} GiB of weights, "
-            f"{kv_cache_bytes(spec, dtype, cache_len, rows) / GIB:.1f} GiB of KV cache, "
+            f"{kv_cache_bytes(spec, kv, cache_len, rows) / GIB:.1f} GiB of KV cache, "
             f"{RUNTIME_BYTES / GIB:.1f} GiB of runtime); this machine has {free / GIB:.1f} GiB available",
             hint="choose a smaller --dtype or --cache-len, another backend, or a machine with more memory "
                  "(LINNET_MEMORY_CHECK=0 skips this check)")

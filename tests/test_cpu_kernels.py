@@ -97,6 +97,34 @@ def test_decode_attention_matches_sdpa(ext, dtype, shape):
     assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
+def test_decode_attention_over_a_float16_cache_widens_it_as_the_lines_do(ext, shape):
+    """float32 queries over the float16 cache that quantized weights keep: what the generic lines
+    compute after `.to(q.dtype)` of the keys and values, within float32's rounding."""
+    B, H, KV, D, window = shape
+    g = torch.Generator().manual_seed(B + H + D)
+    k, v = (torch.randn(3, 4, KV, 40, D, generator=g).half() for _ in range(2))
+    q = torch.randn(B, H, D, generator=g)
+    slots, pos = torch.randperm(4, generator=g)[:B], torch.tensor([39, 0, 17][:B])
+    got = ext.decode_attention(q, k, v, 1, slots, pos, window, D ** -0.5)
+    want = selfcheck.reference_attention(q, k, v, 1, slots, pos, window, D ** -0.5)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="one dtype"):  # float16 queries over a float32 cache: no
+        ext.decode_attention(q.half(), k.float(), v.float(), 1, slots, pos, window, 1.0)
+
+
+def test_float32_keys_go_into_a_float16_cache_as_to_rounds_them(ext):
+    g = torch.Generator().manual_seed(8)
+    k, v = (torch.randn(1, 3, 2, 32, generator=g) * 300 for _ in range(2))  # some beyond float16's 11 bits
+    pos, rows = torch.tensor([[4, 9, 0]]), torch.tensor([[1, 0, 1]])
+    caches = [torch.randn(2, 2, 2, 16, 32, generator=g).half() for _ in range(2)]
+    mine = [c.clone() for c in caches]
+    selfcheck.generic("write_cache")(k, v, pos, rows, *caches, 1)
+    ext.write_cache(k, v, pos, rows, *mine, 1)
+    assert torch.equal(caches[0], mine[0]) and torch.equal(caches[1], mine[1])
+    assert torch.equal(mine[0][1, 0, :, 9], k[0, 1].half())
+
+
 def test_decode_attention_refuses_what_it_cannot_index(ext):
     k = torch.zeros(2, 3, 2, 8, 16)
     q = torch.zeros(1, 4, 16)
@@ -184,10 +212,12 @@ def test_step_kernels_take_the_generic_ops_where_they_do_not_apply(ext):
         ext.write_cache(k, k, torch.tensor([[5, 8]]), rows, caches[2], caches[3], 0)
 
 
-@pytest.mark.parametrize("backend", ["torch", "inductor"])
-def test_sessions_decode_with_the_step_kernels_as_without(ext, checkpoints, backend, monkeypatch):
+@pytest.mark.parametrize("backend,dtype", [("torch", "float32"), ("inductor", "float32"), ("torch", "q8_0"),
+                                           ("inductor", "q4_0")])
+def test_sessions_decode_with_the_step_kernels_as_without(ext, checkpoints, backend, dtype, monkeypatch):
     """A CPU session hands its step the kernels (inductor: the attention; eager: the small ops too);
-    decode past a sliding window, in a second cache row, gives the logits of a session on the generic path."""
+    decode past a sliding window, in a second cache row, gives the logits of a session on the generic path
+    (quantized weights: over a float16 cache, float32 activations)."""
     from linnet_core.backends import torch_backend
     from linnet_core.compile import load_model
 
@@ -199,11 +229,12 @@ def test_sessions_decode_with_the_step_kernels_as_without(ext, checkpoints, back
             got.append(torch.from_numpy(out.logits[0, -1]))
         return torch.stack(got)
 
-    fused, _ = load_model(checkpoints["mistral-window"], backend, "float32", 32, rows=2, device="cpu")
+    fused, _ = load_model(checkpoints["mistral-window"], backend, dtype, 32, rows=2, device="cpu")
+    assert fused.k_cache.dtype == (torch.float16 if dtype.startswith("q") else torch.float32)
     kernels = fused.weights["global"]["step_kernels"]
     assert kernels.decode_attention is not None and (kernels.rms_norm is not None) == (backend == "torch")
     monkeypatch.setattr(torch_backend, "add_step_kernels", lambda *a: None)  # both backends' cpu_weights
-    generic, _ = load_model(checkpoints["mistral-window"], backend, "float32", 32, rows=2, device="cpu")
+    generic, _ = load_model(checkpoints["mistral-window"], backend, dtype, 32, rows=2, device="cpu")
     assert "step_kernels" not in generic.weights["global"]
     assert torch.allclose(decode_logits(fused), decode_logits(generic), atol=1e-4, rtol=1e-4)
 
@@ -378,7 +409,8 @@ def test_float16_heads_tied_to_the_token_table_keep_their_layout(ext):
 def test_fused_step_kernels_compute_what_their_helpers_do(ext, dtype):
     """silu_mul and add_rms_norm exactly as the helpers' lines over the single kernels (silu at 16
     bits, F.silu for float32); the attention block of three one-token rows (q/k norms, partial rotary,
-    a sliding window) exactly as its helper over the unfused kernels, caches included."""
+    a sliding window) exactly as its helper over the unfused kernels, caches included (float32's in
+    float16, as quantized weights keep it)."""
     from linnet_core.backends.cpu.step_kernels import DecodeAttention, StepKernels
 
     g = torch.Generator().manual_seed(3)
@@ -394,7 +426,8 @@ def test_fused_step_kernels_compute_what_their_helpers_do(ext, dtype):
     q_norm, k_norm = (torch.randn(D, generator=g).to(dtype) for _ in range(2))
     pos, rows = torch.tensor([[9, 0, 30]]), torch.tensor([[2, 0, 1]])
     cos, sin = selfcheck.generic("rope_table")(pos, torch.rand(8, generator=g), dtype)  # rotary 16 of 32
-    caches = [torch.randn(2, 3, kv_heads, 40, D, generator=g).to(dtype) for _ in range(2)]  # [L, rows, KV, S, D]
+    cache_dtype = torch.float16 if dtype == torch.float32 else dtype  # float32 beside the quantized formats' cache
+    caches = [torch.randn(2, 3, kv_heads, 40, D, generator=g).to(cache_dtype) for _ in range(2)]  # [L, rows, KV, S, D]
     mine = [c.clone() for c in caches]
     unfused = StepKernels(decode_attention=DecodeAttention(ext), rms_norm=ext.rms_norm, rope=ext.rope,
                           write_cache=ext.write_cache)

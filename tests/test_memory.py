@@ -95,6 +95,7 @@ CASES = [("torch", "bfloat16"), ("jax", "float32"), ("onnxruntime", "float32"), 
 def test_compile_streams_and_a_session_holds_each_weight_once(model_280m, backend, dtype, tmp_path):
     import importlib.util
 
+    from linnet_core.backends import get_backend
     from linnet_core.compile import open_model
     from linnet_core.memory import kv_cache_bytes
 
@@ -107,7 +108,7 @@ def test_compile_streams_and_a_session_holds_each_weight_once(model_280m, backen
     weights, largest = prepared_bytes(Path(built["artifact"]))
     assert built["peak"] - built["start"] <= largest * 4 + GIB, (built, largest)
     loaded = probe("load", model_280m, backend, dtype, cache)
-    kv = kv_cache_bytes(open_model(model_280m).spec, dtype, CACHE_LEN, 1)
+    kv = kv_cache_bytes(open_model(model_280m).spec, get_backend(backend).kv_cache_dtype(dtype), CACHE_LEN, 1)
     # The bound allows 0.5 GiB of runtime; JAX's (jaxlib beside torch) is ~0.45 GiB before any
     # weight, and its float32 session lands within a megabyte of that bound: 0.6 GiB for the XLA two.
     runtime = 0.6 * GIB if backend in ("jax", "stablehlo") else GIB / 2

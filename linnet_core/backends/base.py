@@ -83,6 +83,10 @@ class Backend(ABC):
             return "cpu"
         return "cuda"
 
+    def kv_cache_dtype(self, dtype: str) -> str:
+        """The dtype this backend's sessions hold the KV cache in under storage format `dtype`."""
+        return compute_dtype(dtype)
+
     def weight_copies(self, dtype: str, device: str) -> float:
         """A session's resident memory per byte of prepared weights (memory.check_fits): one, since
         loaders map the weights or release the originals of what they copy."""

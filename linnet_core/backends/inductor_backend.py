@@ -148,7 +148,7 @@ class InductorBackend(TorchBackend):
     name = "inductor"
     title = "inductor"
     ragged = False  # compiled per bucket of [B, T]: a mixed step runs as one call per chunk length
-    artifact_format = "8"
+    artifact_format = "9"
     mode: str | None = None  # torch.compile mode
     loads_at_compile = True  # inductor compiles by running the step (freezing needs the weights)
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import params as prepared
-from ..dtypes import FORMATS, compute_dtype, torch_dtype
+from ..dtypes import FORMATS, compute_dtype, narrow_kv_cache_dtype, torch_dtype
 from ..errors import BackendUnavailable
 from ..ir.graph import Graph
 from ..quant import dequantize
@@ -117,8 +117,10 @@ class TorchSession(Session):
         self.device = torch.device(device)
         c = info["cache"]
         shape = (c["layers"], rows, c["kv_heads"], self.cache_len, c["head_dim"])
-        self.k_cache = torch.zeros(shape, dtype=torch_dtype(self.dtype), device=self.device)
+        self.k_cache = torch.zeros(shape, dtype=torch_dtype(narrow_kv_cache_dtype(self.dtype)), device=self.device)
         self.v_cache = torch.zeros_like(self.k_cache)
+        # the step's activations, where the cache is held narrower (the generated setup's `dtype`)
+        weights["global"]["compute_dtype"] = torch_dtype(self.dtype)
         self.step_fn = module.step
 
     def _run(self, ids: Sequence[Sequence[int]], start: Sequence[int], slots: Sequence[int], all_logits: bool):
@@ -152,10 +154,13 @@ class TorchBackend(Backend):
 
     ragged = True  # the serving engine's mixed steps run as one call
     int8_activations_on_cpu = True  # Linnet's CPU kernels (quant_linear.cpp); BlockLinear on a GPU dequantizes
-    artifact_format = "10"
+    artifact_format = "11"
 
     def toolchain(self) -> dict[str, str]:
         return {"torch": torch.__version__}
+
+    def kv_cache_dtype(self, dtype: str) -> str:
+        return narrow_kv_cache_dtype(dtype)
 
     def check_available(self, dtype: str) -> None:
         if dtype not in FORMATS:

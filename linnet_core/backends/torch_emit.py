@@ -106,8 +106,8 @@ def write_cache(k, v, pos, rows, k_cache, v_cache, layer, kernels=None):
     if kernels is not None and kernels.write_cache is not None:
         return kernels.write_cache(k, v, pos, rows, k_cache, v_cache, layer)
     layers = torch.full_like(pos, layer)  # [B, T]
-    k_cache[layers, rows, :, pos] = k  # advanced indices first: the target is [B, T, KV, D]
-    v_cache[layers, rows, :, pos] = v
+    k_cache[layers, rows, :, pos] = k.to(k_cache.dtype)  # advanced indices first: the target is [B, T, KV, D]
+    v_cache[layers, rows, :, pos] = v.to(v_cache.dtype)
 
 
 def attention(q, k, v, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, kernels=None):
@@ -169,6 +169,7 @@ def attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, gqa, k
         return kernels.decode_attention(q[:, 0], pos[:, 0], slots, k_cache, v_cache, layer, window, scale)[:, None]
     keys = k_cache[layer, :, :, :kv_len].index_select(0, slots)  # [B, KV, kv_len, D]
     values = v_cache[layer, :, :, :kv_len].index_select(0, slots)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)  # a cache held narrower than the activations
     key_pos = torch.arange(kv_len, device=pos.device)  # [kv_len]
     mask = key_pos <= pos[..., None]  # [B, T, kv_len]: causal, and hides stale cache entries
     if window is not None:
@@ -183,6 +184,8 @@ def attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, gqa, k
 '''
 
 
+# The activations' dtype: the runtime's where it holds the KV cache narrower, else the cache's.
+COMPUTE_DTYPE = 'dtype = g.get("compute_dtype", k_cache.dtype)'
 # Kernels the runtime may hand the step (cpu/step_kernels.py's StepKernels), looked up once per step.
 STEP_KERNELS = 'kernels = g.get("step_kernels")  # the runtime\'s CPU kernels for the ops between matmuls, or None'
 
@@ -225,9 +228,10 @@ TORCH = Dialect(
         "  ids [B, T] int64; start [B] first position of the step per row; slots [B] cache rows;",
         "  last [B] the position in T whose logits are wanted (T - 1 unless prompts are padded);",
         "  k_cache, v_cache [{layers}, rows, {kv_heads}, cache_len, {head_dim}]; kv_len: positions to attend over.",
+        "  The caches hold the activations' dtype, or a narrower one named by weights['global']['compute_dtype'].",
     ),
     signature="def step(weights, {inputs}, last, kv_len: int, k_cache, v_cache, all_logits: bool = False):",
-    setup=('g, layers = weights["global"], weights["layers"]', "B, T = ids.shape", "dtype = k_cache.dtype",
+    setup=('g, layers = weights["global"], weights["layers"]', "B, T = ids.shape", COMPUTE_DTYPE,
            STEP_KERNELS),
     loop="for i, w in enumerate(layers):",
     returns="return {outputs}",
@@ -244,10 +248,11 @@ TORCH_RAGGED = replace(
         "  one-token rows' tokens first; d_slots [Bd]; p_slots [Bp], p_index [Bp, Tp], p_pack [Np] for",
         "  the chunks; d_kv_len, p_kv_len: ints, positions each group attends over; logits_index [E].",
         "  k_cache, v_cache [{layers}, rows, {kv_heads}, cache_len, {head_dim}], updated in place.",
+        "  The caches hold the activations' dtype, or a narrower one named by weights['global']['compute_dtype'].",
     ),
     signature="def step(weights, {inputs}, k_cache, v_cache):",
     groups=groups,  # the eager step's fused calls (torch_groups)
-    setup=('g, layers = weights["global"], weights["layers"]', "N = ids.shape[1]", "dtype = k_cache.dtype",
+    setup=('g, layers = weights["global"], weights["layers"]', "N = ids.shape[1]", COMPUTE_DTYPE,
            STEP_KERNELS),
     ragged=True,
 )

@@ -41,16 +41,35 @@ def load_reference(path: Path, dtype: str = "float32"):
     return model.eval()
 
 
-def run_reference(model, prompt: list[int], steps: int, feed: list[int] | None = None) -> ReferenceRun:
+def rounding_cache(model, dtype: str):
+    """transformers' own KV cache for `model`, holding each key and value rounded to `dtype` (where a
+    backend keeps its cache narrower than its activations) and handing them back widened."""
+    import torch
+    from transformers import DynamicCache
+
+    cache, narrow = DynamicCache(config=model.config), getattr(torch, dtype)
+    update = cache.update
+
+    def rounded(keys, values, layer_idx, *args, **kwargs):  # what attention reads: the stored numbers
+        return update(keys.to(narrow).to(keys.dtype), values.to(narrow).to(values.dtype), layer_idx, *args, **kwargs)
+
+    cache.update = rounded
+    return cache
+
+
+def run_reference(model, prompt: list[int], steps: int, feed: list[int] | None = None,
+                  kv_cache_dtype: str | None = None) -> ReferenceRun:
     """Prefill, then `steps` decode steps fed the model's own greedy tokens, or `feed` when given
-    (teacher forcing: another model's logits are then compared position by position)."""
+    (teacher forcing: another model's logits are then compared position by position).
+    `kv_cache_dtype`: the KV cache held in that dtype, as the backend checked holds it."""
     import warnings
 
     import torch
 
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # cache-API deprecations differ across transformers releases
-        out = model(torch.tensor([prompt]), use_cache=True)
+        past = rounding_cache(model, kv_cache_dtype) if kv_cache_dtype else None
+        out = model(torch.tensor([prompt]), past_key_values=past, use_cache=True)
         rows = [out.logits[0].float()]
         past = out.past_key_values
         tokens = [int(rows[-1][-1].argmax())]

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..backends import get_backend
 from ..compile import Model, compile_model, load_model, open_model
-from ..dtypes import FORMATS
+from ..dtypes import FORMATS, compute_dtype
 from ..errors import InputError
 from ..gguf.llamacpp_reference import run_llamacpp
 from ..memory import check_fits
@@ -56,9 +56,11 @@ class VerifyReport:
 LLAMACPP_ACTIVATIONS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "int8", "Q4_0": "int8"}
 
 
-def _transformers_reference(m: Model, ids: list[int], steps: int, compiled, activations: str, reference):
-    """transformers on the checkpoint (over the dequantized blocks for a quantized dtype), and for one
-    the original model's logits over a real text: (run, its dtype, original, text, text ids)."""
+def _transformers_reference(m: Model, ids: list[int], steps: int, compiled, activations: str, reference,
+                            kv_cache_dtype: str):
+    """transformers on the checkpoint (over the dequantized blocks for a quantized dtype, its KV cache
+    held as the backend holds it), and for one the original model's logits over a real text: (run,
+    its dtype, original, text, text ids)."""
     ref_dtype = "float32" if reference is not None else reference_dtype(m.spec, compiled.dtype)
     quantized = FORMATS[compiled.dtype].quantized
     effect_text, effect_ids, original = None, [], None
@@ -71,7 +73,8 @@ def _transformers_reference(m: Model, ids: list[int], steps: int, compiled, acti
             if ref_model is reference:  # a copy: the caller's model stays as it was
                 ref_model = copy.deepcopy(ref_model)
             as_quantized(ref_model, m.spec, compiled.dtype, activations)
-        return run_reference(ref_model, ids, steps), ref_dtype, original, effect_text, effect_ids
+        narrow = kv_cache_dtype if quantized and kv_cache_dtype != compute_dtype(compiled.dtype) else None
+        return run_reference(ref_model, ids, steps, kv_cache_dtype=narrow), ref_dtype, original, effect_text, effect_ids
     finally:
         del ref_model
         gc.collect()
@@ -103,8 +106,8 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
         ref_dtype = f"llama.cpp ({weights} weights)"
         ref_activations = LLAMACPP_ACTIVATIONS.get(weights, "int8/256")  # the rest: K-quants
     else:
-        ref, ref_dtype, original, effect_text, effect_ids = _transformers_reference(m, ids, steps, compiled,
-                                                                                    activations, reference)
+        ref, ref_dtype, original, effect_text, effect_ids = _transformers_reference(
+            m, ids, steps, compiled, activations, reference, be.kv_cache_dtype(compiled.dtype))
         ref_activations = "float32" if ref_dtype == "float32" else ref_dtype
     session, compiled = load_model(m, backend, dtype, cache_len, rows=1, **load_kw)
 

@@ -3,7 +3,9 @@
 // ~0.6 ms a layer at Qwen3-4B's shapes, right after the weights stream has evicted every cache
 // line. Here each (row, kv head) task reads its keys and values once, in place, for the G query
 // heads that share them; float32 throughout but where SDPA's CPU kernel rounds to 16 bits (the
-// softmax numerators that multiply the values), so both round alike.
+// softmax numerators that multiply the values), so both round alike. A cache held narrower than
+// the queries (float16 beside float32 activations) is widened as it is read, as the generated
+// lines' `.to(q.dtype)` widens it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -16,16 +18,16 @@ namespace {
 
 using namespace linnet;
 
-// GB query heads (qf [GB, D], scaled) over n keys and values [n, D] -> out [GB, D] in T. Each key
+// GB query heads (qf [GB, D], scaled) over n keys and values [n, D] in C -> out [GB, D] in T. Each key
 // and value is loaded once for the GB heads, whose dot products and weighted sums stay in registers
 // (a loop over the heads within each key, accumulating in memory, ran 2.4x slower).
-template <typename T, int GB>
-void heads(const float* qf, const T* keys, const T* values, int64_t n, int64_t D, float* scores, T* out) {
+template <typename T, typename C, int GB>
+void heads(const float* qf, const C* keys, const C* values, int64_t n, int64_t D, float* scores, T* out) {
   for (int64_t s = 0; s < n; ++s) {  // scores [GB, n]
-    const T* key = keys + s * D;
+    const C* key = keys + s * D;
     // the value row into L2 while the scores run: the weighted sums below read the values a column
     // of lines at a time, each line a miss from DRAM otherwise (Zen 2 decode steps: 16-bit 9% faster, float32 3%)
-    for (int64_t o = 0; o < D * (int64_t)sizeof(T); o += 64) prefetch_l2((const char*)(values + s * D) + o);
+    for (int64_t o = 0; o < D * (int64_t)sizeof(C); o += 64) prefetch_l2((const char*)(values + s * D) + o);
     Vf dot[GB];
     for (int g = 0; g < GB; ++g) dot[g] = zero();
     for (int64_t i = 0; i < D; i += kW) {
@@ -66,7 +68,7 @@ void heads(const float* qf, const T* keys, const T* values, int64_t n, int64_t D
     Vf lo[GB], hi[GB];
     for (int g = 0; g < GB; ++g) lo[g] = hi[g] = zero();
     for (int64_t s = 0; s < n; ++s) {
-      const T* value = values + s * D + i;
+      const C* value = values + s * D + i;
       const Vf v0 = load(value), v1 = pair ? load(value + kW) : v0;
       for (int g = 0; g < GB; ++g) {
         const Vf p = set1(scores[g * n + s]);
@@ -82,8 +84,8 @@ void heads(const float* qf, const T* keys, const T* values, int64_t n, int64_t D
   }
 }
 
-template <typename T>
-void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, const int64_t* pos, T* out,
+template <typename T, typename C>
+void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* slots, const int64_t* pos, T* out,
             int64_t B, int64_t H, int64_t KV, int64_t S, int64_t D, int64_t layer, int64_t rows, int64_t window,
             double scale) {
   const int64_t G = H / KV;  // query heads per kv head
@@ -102,10 +104,10 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots
       for (int64_t g = 0; g < G; g += 4) {  // up to four heads at a time (registers: 8 sums a head)
         const float* qg = qf.data() + g * D;
         switch (std::min<int64_t>(4, G - g)) {
-          case 1: heads<T, 1>(qg, k_cache + base, v_cache + base, n, D, scores.data(), ob + g * D); break;
-          case 2: heads<T, 2>(qg, k_cache + base, v_cache + base, n, D, scores.data(), ob + g * D); break;
-          case 3: heads<T, 3>(qg, k_cache + base, v_cache + base, n, D, scores.data(), ob + g * D); break;
-          default: heads<T, 4>(qg, k_cache + base, v_cache + base, n, D, scores.data(), ob + g * D);
+          case 1: heads<T, C, 1>(qg, k_cache + base, v_cache + base, n, D, scores.data(), ob + g * D); break;
+          case 2: heads<T, C, 2>(qg, k_cache + base, v_cache + base, n, D, scores.data(), ob + g * D); break;
+          case 3: heads<T, C, 3>(qg, k_cache + base, v_cache + base, n, D, scores.data(), ob + g * D); break;
+          default: heads<T, C, 4>(qg, k_cache + base, v_cache + base, n, D, scores.data(), ob + g * D);
         }
       }
     }
@@ -114,14 +116,16 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots
 
 }  // namespace
 
-// q [B, H, D]; caches [L, rows, KV, S, D]; slots, pos [B] -> [B, H, D]: query b (at position pos[b])
-// over keys 0..pos[b] of cache row slots[b] (the last `window` of them when window > 0).
+// q [B, H, D]; caches [L, rows, KV, S, D] in q's dtype, or float16 beside float32 q; slots, pos [B]
+// -> [B, H, D]: query b (at position pos[b]) over keys 0..pos[b] of cache row slots[b] (the last
+// `window` of them when window > 0).
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                int64_t layer, const torch::Tensor& slots, const torch::Tensor& pos, int64_t window,
                                double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes(), "decode_attention: shapes");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "decode_attention: one dtype");
+  const bool narrow = q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kHalf;
+  TORCH_CHECK((q.scalar_type() == k_cache.scalar_type() || narrow) && k_cache.scalar_type() == v_cache.scalar_type(),
+              "decode_attention: one dtype, or a float16 cache beside float32 queries");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: contiguous");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t L = k_cache.size(0), rows = k_cache.size(1), KV = k_cache.size(2), S = k_cache.size(3);
@@ -134,12 +138,17 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(0 <= sp[b] && sp[b] < rows && 0 <= pp[b] && pp[b] < S, "decode_attention: slot or position out of range");
   auto out = torch::empty_like(q);
+  if (narrow) {
+    attend<float, at::Half>(q.data_ptr<float>(), k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), sp, pp,
+                            out.data_ptr<float>(), B, H, KV, S, D, layer, rows, window, scale);
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "decode_attention: float64 is not supported");
     } else {
-      attend<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), sp, pp,
-                       out.data_ptr<scalar_t>(), B, H, KV, S, D, layer, rows, window, scale);
+      attend<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                 sp, pp, out.data_ptr<scalar_t>(), B, H, KV, S, D, layer, rows, window, scale);
     }
   });
   return out;

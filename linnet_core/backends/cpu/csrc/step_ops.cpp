@@ -175,18 +175,20 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 
 // k, v [B, T, KV, D] into caches [L, rows, KV, S, D] of `layer`, token (b, t) at row rows[b, t],
 // position pos[b, t], as the generated `write_cache`; its indexed write where the kernel does not apply.
+// float32 k and v into a float16 cache round to nearest even, as `.to(k_cache.dtype)` does.
 void write_cache(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& pos, const torch::Tensor& rows,
                  torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t layer) {
   const bool fits = k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                     v_cache.is_contiguous() && k.dim() == 4 && k.sizes() == v.sizes() &&
                     k.size(2) == k_cache.size(2) && k.size(3) == k_cache.size(4) && k.stride(3) == 1 &&
-                    v.stride(3) == 1 && k.scalar_type() == k_cache.scalar_type() &&
-                    v.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type();
-  if (!fits) {
+                    v.stride(3) == 1 && v.scalar_type() == k.scalar_type() &&
+                    v_cache.scalar_type() == k_cache.scalar_type();
+  const bool narrow = k.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kHalf && k.size(3) % kW == 0;
+  if (!fits || (k.scalar_type() != k_cache.scalar_type() && !narrow)) {
     const auto layers = at::full_like(pos, layer);
     using at::indexing::Slice;
-    k_cache.index_put_({layers, rows, Slice(), pos}, k);
-    v_cache.index_put_({layers, rows, Slice(), pos}, v);
+    k_cache.index_put_({layers, rows, Slice(), pos}, k.to(k_cache.scalar_type()));
+    v_cache.index_put_({layers, rows, Slice(), pos}, v.to(v_cache.scalar_type()));
     return;
   }
   const int64_t L = k_cache.size(0), R = k_cache.size(1), KV = k_cache.size(2), S = k_cache.size(3),
@@ -199,19 +201,22 @@ void write_cache(const torch::Tensor& k, const torch::Tensor& v, const torch::Te
   const int64_t* rp = rows_c.data_ptr<int64_t>();
   for (int64_t i = 0; i < B * T; ++i)
     TORCH_CHECK(0 <= rp[i] && rp[i] < R && 0 <= pp[i] && pp[i] < S, "write_cache: row or position out of range");
-  const int64_t bytes = D * k.element_size();
   auto* kc = static_cast<char*>(k_cache.data_ptr());
   auto* vc = static_cast<char*>(v_cache.data_ptr());
   const auto* kp = static_cast<const char*>(k.data_ptr());
   const auto* vp = static_cast<const char*>(v.data_ptr());
-  const int64_t es = k.element_size();
+  const int64_t es = k.element_size(), ces = k_cache.element_size();
+  const auto put = [&](char* dst, const char* src) {  // one head's D values
+    if (!narrow) return (void)std::memcpy(dst, src, D * es);
+    for (int64_t j = 0; j < D; j += kW) store((at::Half*)dst + j, load((const float*)src + j));
+  };
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
       const int64_t i = b * T + t;
       for (int64_t h = 0; h < KV; ++h) {
-        const int64_t at = (((layer * R + rp[i]) * KV + h) * S + pp[i]) * D * es;
-        std::memcpy(kc + at, kp + (b * k.stride(0) + t * k.stride(1) + h * k.stride(2)) * es, bytes);
-        std::memcpy(vc + at, vp + (b * v.stride(0) + t * v.stride(1) + h * v.stride(2)) * es, bytes);
+        const int64_t at = (((layer * R + rp[i]) * KV + h) * S + pp[i]) * D * ces;
+        put(kc + at, kp + (b * k.stride(0) + t * k.stride(1) + h * k.stride(2)) * es);
+        put(vc + at, vp + (b * v.stride(0) + t * v.stride(1) + h * v.stride(2)) * es);
       }
     }
 }
