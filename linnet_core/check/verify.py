@@ -73,7 +73,7 @@ def _transformers_reference(m: Model, ids: list[int], steps: int, compiled, acti
             if ref_model is reference:  # a copy: the caller's model stays as it was
                 ref_model = copy.deepcopy(ref_model)
             as_quantized(ref_model, m.spec, compiled.dtype, activations)
-        narrow = kv_cache_dtype if quantized and kv_cache_dtype != compute_dtype(compiled.dtype) else None
+        narrow = kv_cache_dtype if kv_cache_dtype != compute_dtype(compiled.dtype) else None
         return run_reference(ref_model, ids, steps, kv_cache_dtype=narrow), ref_dtype, original, effect_text, effect_ids
     finally:
         del ref_model
