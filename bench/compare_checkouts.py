@@ -16,7 +16,8 @@ tokens/s, TTFT p99 and ITL p99.
 `--steps N` holds one decode session of each commit open in its own process and steps them in
 turn, one decode step each (N each), so both see the same minutes of a shared machine: on this
 one, whose memory bandwidth drifts by half from minute to minute, it finds a 5% change that
-whole `linnet bench` rounds cannot.
+whole `linnet bench` rounds cannot. `--steps N --prefill` steps prefills of `--prompt-tokens`
+instead (time to first token without the sampling), the same way.
 
 Both checkouts run in this Python environment (the base's code put first on PYTHONPATH), so
 they share every dependency's version.
@@ -36,8 +37,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def step_child(model: str, backend: str, dtype: str, prompt_tokens: int) -> None:
-    """--steps' child: one session of this process's Linnet; a decode step per line read, its seconds written."""
+def step_child(model: str, backend: str, dtype: str, prompt_tokens: int, prefill: bool) -> None:
+    """--steps' child: one session of this process's Linnet; a decode step (or with --prefill, a prompt's
+    prefill) per line read, its seconds written."""
     import time
 
     from linnet_core.compile import load_model
@@ -47,6 +49,11 @@ def step_child(model: str, backend: str, dtype: str, prompt_tokens: int) -> None
     token, k = session.prefill(prompt).tokens[0], 0
     print("ready", flush=True)
     for _ in sys.stdin:
+        if prefill:
+            start = time.perf_counter()
+            session.prefill(prompt)
+            print(time.perf_counter() - start, flush=True)
+            continue
         k = 0 if prompt_tokens + k >= 1000 else k  # back to the prompt's end before the cache fills
         start = time.perf_counter()
         token = session.decode([token], [prompt_tokens + k], [0]).tokens[0]
@@ -62,7 +69,8 @@ def interleaved_steps(sides: dict[str, Path], work: Path, backend: str, args: ar
         env = {**os.environ, "PYTHONPATH": str(code), "LINNET_CACHE": str(work / f"cache-{name}"),
                "OMP_WAIT_POLICY": "PASSIVE"}
         procs[name] = subprocess.Popen(
-            [sys.executable, __file__, "--child", args.model, backend, args.dtype or "", str(args.prompt_tokens)],
+            [sys.executable, __file__, "--child", args.model, backend, args.dtype or "", str(args.prompt_tokens),
+             "prefill" if args.prefill else "decode"],
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if procs[name].stdout.readline().strip() != "ready":
             raise SystemExit(f"{name}: the {backend} session did not start")
@@ -109,8 +117,8 @@ def figures(result: dict, serving: bool) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
-        model, backend, dtype, prompt_tokens = sys.argv[2:6]
-        return step_child(model, backend, dtype, int(prompt_tokens))
+        model, backend, dtype, prompt_tokens, mode = sys.argv[2:7]
+        return step_child(model, backend, dtype, int(prompt_tokens), mode == "prefill")
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("base", help="the commit to compare against (e.g. HEAD~3)")
     p.add_argument("model", help="checkpoint folder (e.g. from bench/make_qwen3_191m.py)")
@@ -123,6 +131,7 @@ def main() -> None:
     p.add_argument("--warmups", type=int, default=2)
     p.add_argument("--save", type=Path, help="write every round's figures and the medians as JSON")
     p.add_argument("--steps", type=int, help="decode steps of each side in turn, in two open sessions (see above)")
+    p.add_argument("--prefill", action="store_true", help="--steps: time prefills of --prompt-tokens, not decode steps")
     p.add_argument("--serving", action="store_true", help="compare the serving bench instead of decode")
     p.add_argument("--targets", default="engine,http", help="--serving: the serving bench's targets")
     p.add_argument("--rows", type=int, default=8, help="--serving: engine rows (and requests in flight)")
@@ -141,12 +150,14 @@ def main() -> None:
             steps = {backend: interleaved_steps(sides, work, backend, args) for backend in args.backends.split(",")}
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_tree)], check=False)
-        print(f"\n| backend | base ms a step | this ms a step | this/base speed |\n|---|---:|---:|---:|")
+        what = "a prefill" if args.prefill else "a step"
+        print(f"\n| backend | base ms {what} | this ms {what} | this/base speed |\n|---|---:|---:|---:|")
         for backend, m in steps.items():
             print(f"| {backend} | {m['base'] * 1e3:.3f} | {m['this'] * 1e3:.3f} | {m['base'] / m['this']:.3f}× |")
         if args.save:
             args.save.write_text(json.dumps({"base": args.base, "model": args.model, "dtype": args.dtype,
-                                             "steps": args.steps, "median_step_s": steps}, indent=1))
+                                             "steps": args.steps, "prefill": args.prefill,
+                                             "prompt_tokens": args.prompt_tokens, "median_step_s": steps}, indent=1))
         return
     try:
         for r in range(args.rounds):

@@ -327,7 +327,7 @@ def test_float16_linears_run_decode_by_the_gemv_and_prompts_by_the_tiled_gemm(ex
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
 def test_packed_float_linears_match_the_product(ext, dtype):
-    """Weights repacked 8 rows interleaved compute the float32 product, rounded once to the dtype
+    """Weights repacked in blocks of 4 rows interleaved (decode takes 8 at once) compute the float32 product, rounded once to the dtype
     (a 16-bit type's half ulp; float32's own summation order), decode rows and prompts, at every tile edge
     (rows past a block of 8, token rows past a tile of 2 or 6; K over several of the prompt's slices, tokens
     past a group of tiles)."""
@@ -339,7 +339,7 @@ def test_packed_float_linears_match_the_product(ext, dtype):
     for N, K in ((45, 32), (700, 64), (8, 48), (24, 2080)):
         w, b = torch.randn(N, K, generator=g).to(dtype), torch.randn(N, generator=g).to(dtype)
         packed = ext.repack_rows8_float(w)
-        assert packed.shape == ((N + 7) // 8, K // 16, 8, 16) and packed.dtype == dtype
+        assert packed.shape == ((N + 7) // 8 * 2, K // 16, 4, 16) and packed.dtype == dtype
         kernel = PackedFloatLinear(w, 0)
         for rows in (1, 2):
             x = torch.randn(rows, 1, K, generator=g).to(dtype)

@@ -33,9 +33,9 @@ The kernels:
   llama.cpp's tinyBLAS does (2x MKL's float32 GEMM over widened copies, ~7x PyTorch's CPU float16
   GEMM; bf16's where the ISA has no bf16 dot, whose oneDNN GEMM there was ~6x slower).
 - `repack_rows8_float`, `packed_float_linear`: float16 and float32 weights (bfloat16 too where the ISA
-  has no bf16 dot: `bf16_dot()`) copied once at load 8 rows interleaved, decode's GEMV loading x
-  once for 8 rows in one stream (~16% faster than the row kernel
-  at Qwen3-4B's shapes) and the prompt tiles over the same layout; a head tied to the token table
+  has no bf16 dot: `bf16_dot()`) copied once at load in blocks of 4 rows interleaved, decode's GEMV
+  loading x once for 8 rows, two blocks' streams (~16% faster than the row kernel at Qwen3-4B's
+  shapes), and the prompt tiles one block, one stream, each; a head tied to the token table
   keeps the row layout and `row_linear`.
 - `ops.cpp`: the kernels as C++ operators (`torch.ops.linnet_kernels.*`) for compiled steps, and
   `row_linear`, the row layout's choice between the GEMV and a GEMM.

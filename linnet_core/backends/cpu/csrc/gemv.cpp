@@ -246,84 +246,80 @@ torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w) {
 
 // float16 and float32 weights (and bfloat16 where the ISA has no bf16 dot product: 59.5 against 56.7
 // tok/s for the row layout's GEMV at 191M on an AVX2 EPYC) repacked once at load for the kernels
-// below: w [N, K] -> [ceil(N / 8), K / 16, 8, 16], 8 rows interleaved 16 weights at a time (rows past N are zeros). One pass reads 8
-// rows as one stream and loads (widens) each 16 of x once for all 8, where the row-at-a-time GEMV
-// above does so once per row: +16% for float16 at Qwen3-4B's shapes (bench/half_gemv.py --shapes
-// 4b), a plain read's speed. Several rows of the unpacked layout at once (several streams, as
-// tinyBLAS) ran 12-50% slower.
+// below: w [N, K] -> [2 ceil(N / 8), K / 16, 4, 16], blocks of 4 rows interleaved 16 weights at a
+// time (rows past N are zeros). Decode reads two blocks (8 rows) at once, two streams, and loads
+// (widens) each 16 of x once for all 8, where the row-at-a-time GEMV above does so once per row: +16%
+// for float16 at Qwen3-4B's shapes (bench/half_gemv.py --shapes 4b), a plain read's speed. A prompt's
+// register tile takes one block, a contiguous stream (blocks of 8, whose tiles read every other 128
+// bytes, ran them 10-15% slower on a Zen 3). Many rows of the unpacked layout at once (as tinyBLAS)
+// ran decode 12-50% slower.
 torch::Tensor huge_page_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
 
 namespace {
 
-constexpr int64_t PACK = 8, CHUNK = 16;  // rows per packed block, weights of a row together
+constexpr int64_t ROWS = 4, CHUNK = 16;  // rows per packed block, weights of a row together
+constexpr int64_t DECODE_BLOCKS = 2;     // blocks a decode pass takes at once (8 rows); the count is even
 
-// M token rows x [M, K] (as the weights: float16 or float32) against packed blocks [b0, b1): y [M, N].
+// M token rows x [M, K] (as the weights: float16 or float32) against block pairs [p0, p1): y [M, N].
 template <typename W, int M>
-void packed_blocks(const W* x, const W* w, int64_t K, int64_t N, int64_t b0, int64_t b1, W* y) {
-  for (int64_t b = b0; b < b1; ++b) {
-    const W* block = w + b * K * PACK;
-    Vf acc[M][PACK];
+void packed_blocks(const W* x, const W* w, int64_t K, int64_t N, int64_t p0, int64_t p1, W* y) {
+  constexpr int R = ROWS * DECODE_BLOCKS;
+  for (int64_t p = p0; p < p1; ++p) {
+    const W* pair = w + p * K * R;
+    Vf acc[M][R];
     for (int m = 0; m < M; ++m)
-      for (int r = 0; r < PACK; ++r) acc[m][r] = zero();
+      for (int r = 0; r < R; ++r) acc[m][r] = zero();
     for (int64_t k = 0; k < K; k += CHUNK) {
       for (int64_t part = 0; part < CHUNK; part += kW) {
         Vf xv[M];
         for (int m = 0; m < M; ++m) xv[m] = load(x + m * K + k + part);
-        const W* wk = block + k * PACK + part;
-        for (int r = 0; r < PACK; ++r) {
-          const Vf wv = load(wk + r * CHUNK);
+        const W* wk = pair + k * ROWS + part;
+        for (int r = 0; r < R; ++r) {  // row r: block r / ROWS of the pair, its row r % ROWS
+          const Vf wv = load(wk + r / ROWS * K * ROWS + r % ROWS * CHUNK);
           for (int m = 0; m < M; ++m) acc[m][r] = fma(wv, xv[m], acc[m][r]);
         }
       }
     }
-    for (int r = 0; r < PACK && b * PACK + r < N; ++r)
-      for (int m = 0; m < M; ++m) y[m * N + b * PACK + r] = from_f32<W>(reduce_add(acc[m][r]));
+    for (int r = 0; r < R && p * R + r < N; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + p * R + r] = from_f32<W>(reduce_add(acc[m][r]));
   }
 }
 
 // RM token rows of x [M, K] (X: the weights' dtype, widened in registers, or a float32 copy; see
-// kTokensAsFloat) against 4 rows of a packed block (those from r0), over the slice [k0, k1) of K: RM x 4
-// accumulators, for prompts. Half a block a tile, so 6 token rows fit 32 registers (3 fit 16) and
-// each weight vector serves 6 FMAs (8 rows x 3 tokens ran ~5% slower than the unpacked tiles). Between
-// slices the accumulators wait in `park` (row i's at park[i * stride]), as vectors: each output still
-// sums in the decode GEMV's order, so a draft's check computes what plain decode does.
+// kTokensAsFloat) against one block (rows n0..n0+3), over the slice [k0, k1) of K: RM x 4
+// accumulators, for prompts. So 6 token rows fit 32 registers (3 fit 16) and each weight vector serves
+// 6 FMAs (8 rows x 3 tokens ran ~5% slower than the unpacked tiles). Between slices the accumulators
+// wait in `park` (row i's at park[i * stride]), as vectors: each output still sums in the decode
+// GEMV's order, so a draft's check computes what plain decode does.
 template <typename W, typename X, int RM>
-void packed_tile(const X* x, const W* block, int64_t K, int64_t N, int64_t m0, int64_t n0, int r0, int64_t k0,
-                 int64_t k1, Vf* park, int64_t stride, W* y) {
-  constexpr int RN = PACK / 2;
-  Vf acc[RM][RN];
+void packed_tile(const X* x, const W* block, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t k0, int64_t k1,
+                 Vf* park, int64_t stride, W* y) {
+  Vf acc[RM][ROWS];
   for (int i = 0; i < RM; ++i)
-    for (int r = 0; r < RN; ++r) acc[i][r] = k0 == 0 ? zero() : park[i * stride + r];
-  for (int64_t k = k0; k < k1; k += CHUNK)
-    for (int64_t part = 0; part < CHUNK; part += kW) {
-      const W* wk = block + k * PACK + r0 * CHUNK + part;
-      Vf xv[RM];  // RM token vectors held, one weight vector at a time: RM + 1 + 4 RM registers
-      for (int i = 0; i < RM; ++i) xv[i] = load(x + (m0 + i) * K + k + part);
-      for (int r = 0; r < RN; ++r) {
-        const Vf wv = load(wk + r * CHUNK);
-        for (int i = 0; i < RM; ++i) acc[i][r] = fma(xv[i], wv, acc[i][r]);
-      }
+    for (int r = 0; r < ROWS; ++r) acc[i][r] = k0 == 0 ? zero() : park[i * stride + r];
+  // One loop of kW steps (the chunk's offset computed): nested chunk and part loops were unrolled
+  // together and the 16-register build then re-read x from memory at every FMA (f16 prompts ~30% slower).
+  for (int64_t k = k0; k < k1; k += kW) {
+    const W* wk = block + (k & ~(CHUNK - 1)) * ROWS + (k & (CHUNK - 1));
+    Vf xv[RM];  // RM token vectors held, one weight vector at a time: RM + 1 + 4 RM registers
+    for (int i = 0; i < RM; ++i) xv[i] = load(x + (m0 + i) * K + k);
+    for (int r = 0; r < ROWS; ++r) {
+      const Vf wv = load(wk + r * CHUNK);
+      for (int i = 0; i < RM; ++i) acc[i][r] = fma(xv[i], wv, acc[i][r]);
     }
+  }
   if (k1 < K) {
     for (int i = 0; i < RM; ++i)
-      for (int r = 0; r < RN; ++r) park[i * stride + r] = acc[i][r];
+      for (int r = 0; r < ROWS; ++r) park[i * stride + r] = acc[i][r];
     return;
   }
   for (int i = 0; i < RM; ++i)
-    for (int r = 0; r < RN && n0 + r0 + r < N; ++r)
-      y[(m0 + i) * N + n0 + r0 + r] = from_f32<W>(reduce_add(acc[i][r]));
-}
-
-template <typename W, typename X, int RM>
-void packed_tiles(const X* x, const W* block, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t k0, int64_t k1,
-                  Vf* park, int64_t stride, W* y) {
-  packed_tile<W, X, RM>(x, block, K, N, m0, n0, 0, k0, k1, park, stride, y);
-  if (n0 + PACK / 2 < N) packed_tile<W, X, RM>(x, block, K, N, m0, n0, PACK / 2, k0, k1, park + PACK / 2, stride, y);
+    for (int r = 0; r < ROWS && n0 + r < N; ++r) y[(m0 + i) * N + n0 + r] = from_f32<W>(reduce_add(acc[i][r]));
 }
 
 // 24 accumulators + 6 token vectors + 1 weight vector of 32 registers; 12 + 3 + 1 of 16
 constexpr int64_t PACKED_TILE_M = kRegs == 32 ? 6 : 3;
-constexpr int64_t PACKED_BLOCKS_PER_TASK = 6;  // 48 weight rows a thread holds in cache while the token rows pass
+constexpr int64_t PACKED_BLOCKS_PER_TASK = 12;  // 48 weight rows a thread holds in cache while the token rows pass
 // Whether 16-bit prompts' tiles read a float32 copy of x rather than widening it at every load. The
 // 3 x 4 tiles of 16 registers widen 7 vectors per 12 FMAs that way, and the widening, not the FMAs,
 // bounds them: on a Zen 2 (AVX2) the copy ran float16 prompts 1.5x as fast, bfloat16 1.35x (90 -> 136
@@ -342,26 +338,26 @@ constexpr bool kSlicePrompt = kRegs == 16 && std::is_same_v<W, float>;
 template <typename W, typename X>
 void packed_prompt(const X* xp, const W* wp, int64_t M, int64_t K, int64_t N, int64_t blocks, W* yp) {
   const int64_t tasks = (blocks + PACKED_BLOCKS_PER_TASK - 1) / PACKED_BLOCKS_PER_TASK;
-  constexpr int64_t group = PROMPT_GROUP_TILES * PACKED_TILE_M, stride = PACKED_BLOCKS_PER_TASK * PACK;
+  constexpr int64_t group = PROMPT_GROUP_TILES * PACKED_TILE_M, stride = PACKED_BLOCKS_PER_TASK * ROWS;
   const int64_t slice = kSlicePrompt<W> ? PROMPT_SLICE_BYTES / int64_t(sizeof(W)) : K;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<Vf> park(kSlicePrompt<W> ? group * stride : 0);  // [group row][block of the task][its 8 rows]
+    std::vector<Vf> park(kSlicePrompt<W> ? group * stride : 0);  // [group row][block of the task][its 4 rows]
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b0 = t * PACKED_BLOCKS_PER_TASK, b1 = std::min(blocks, b0 + PACKED_BLOCKS_PER_TASK);
       for (int64_t g0 = 0; g0 < M; g0 += group)
         for (int64_t k0 = 0; k0 < K; k0 += slice) {
           const int64_t k1 = std::min(K, k0 + slice);
           for (int64_t m0 = g0; m0 < std::min(M, g0 + group); m0 += PACKED_TILE_M)
-            for (int64_t b = b0; b < b1; ++b) {
-              const W* block = wp + b * K * PACK;
-              Vf* pk = kSlicePrompt<W> ? park.data() + ((m0 - g0) * PACKED_BLOCKS_PER_TASK + (b - b0)) * PACK : nullptr;
+            for (int64_t b = b0; b < b1 && b * ROWS < N; ++b) {
+              const W* block = wp + b * K * ROWS;
+              Vf* pk = kSlicePrompt<W> ? park.data() + ((m0 - g0) * PACKED_BLOCKS_PER_TASK + (b - b0)) * ROWS : nullptr;
               switch (std::min(PACKED_TILE_M, M - m0)) {
-                case 1: packed_tiles<W, X, 1>(xp, block, K, N, m0, b * PACK, k0, k1, pk, stride, yp); break;
-                case 2: packed_tiles<W, X, 2>(xp, block, K, N, m0, b * PACK, k0, k1, pk, stride, yp); break;
-                case 3: packed_tiles<W, X, 3>(xp, block, K, N, m0, b * PACK, k0, k1, pk, stride, yp); break;
-                case 4: packed_tiles<W, X, 4>(xp, block, K, N, m0, b * PACK, k0, k1, pk, stride, yp); break;
-                case 5: packed_tiles<W, X, 5>(xp, block, K, N, m0, b * PACK, k0, k1, pk, stride, yp); break;
-                default: packed_tiles<W, X, 6>(xp, block, K, N, m0, b * PACK, k0, k1, pk, stride, yp);
+                case 1: packed_tile<W, X, 1>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp); break;
+                case 2: packed_tile<W, X, 2>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp); break;
+                case 3: packed_tile<W, X, 3>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp); break;
+                case 4: packed_tile<W, X, 4>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp); break;
+                case 5: packed_tile<W, X, 5>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp); break;
+                default: packed_tile<W, X, 6>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp);
               }
             }
         }
@@ -372,7 +368,8 @@ void packed_prompt(const X* xp, const W* wp, int64_t M, int64_t K, int64_t N, in
 template <typename W>
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
   const int64_t K = x.size(-1), M = x.numel() / K, blocks = packed.size(0);
-  TORCH_CHECK(packed.size(1) * CHUNK == K && (N + PACK - 1) / PACK == blocks, "packed linear: blocks of another shape");
+  constexpr int64_t R = ROWS * DECODE_BLOCKS;
+  TORCH_CHECK(packed.size(1) * CHUNK == K && (N + R - 1) / R * DECODE_BLOCKS == blocks, "packed linear: blocks of another shape");
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = torch::empty({M, N}, x.options());
@@ -382,9 +379,9 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   const auto xs = x.reshape({M, K}).contiguous();
   const W* xp = xs.data_ptr<W>();
   if (M <= 2) {  // decode: each thread streams its share of the blocks once
-    at::parallel_for(0, blocks, ROWS_PER_TASK / PACK, [&](int64_t b0, int64_t b1) {
-      if (M == 1) packed_blocks<W, 1>(xp, wp, K, N, b0, b1, yp);
-      else packed_blocks<W, 2>(xp, wp, K, N, b0, b1, yp);
+    at::parallel_for(0, blocks / DECODE_BLOCKS, ROWS_PER_TASK / R, [&](int64_t p0, int64_t p1) {
+      if (M == 1) packed_blocks<W, 1>(xp, wp, K, N, p0, p1, yp);
+      else packed_blocks<W, 2>(xp, wp, K, N, p0, p1, yp);
     });
     return y.view(sizes);
   }
@@ -400,21 +397,22 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 }  // namespace
 
 // w [N, K] (float16, float32, or bfloat16 where the ISA has no bf16 dot product; K % 16 == 0) ->
-// [ceil(N / 8), K / 16, 8, 16]: 8 rows interleaved (a copy)
+// [2 ceil(N / 8), K / 16, 4, 16]: blocks of 4 rows interleaved (a copy)
 torch::Tensor repack_rows8_float(const torch::Tensor& w) {
   const auto dtype = w.scalar_type();
   TORCH_CHECK((dtype == at::kHalf || dtype == at::kFloat || dtype == at::kBFloat16) && w.dim() == 2 &&
                   w.is_contiguous() && w.size(1) % CHUNK == 0,
               "repack_rows8_float: contiguous float16, bfloat16 or float32 [N, K] with K % 16 == 0");
-  const int64_t N = w.size(0), K = w.size(1), blocks = (N + PACK - 1) / PACK, es = w.element_size();
-  auto out = huge_page_zeros({blocks, K / CHUNK, PACK, CHUNK}, w.scalar_type());
+  constexpr int64_t R = ROWS * DECODE_BLOCKS;
+  const int64_t N = w.size(0), K = w.size(1), blocks = (N + R - 1) / R * DECODE_BLOCKS, es = w.element_size();
+  auto out = huge_page_zeros({blocks, K / CHUNK, ROWS, CHUNK}, w.scalar_type());
   const auto* src = static_cast<const char*>(w.data_ptr());
   auto* dst = static_cast<char*>(out.data_ptr());
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, blocks, 32, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
-      for (int64_t r = 0; r < PACK && b * PACK + r < N; ++r)
+      for (int64_t r = 0; r < ROWS && b * ROWS + r < N; ++r)
         for (int64_t k = 0; k < K; k += CHUNK)
-          std::memcpy(dst + ((b * K + k) * PACK + r * CHUNK) * es, src + ((b * PACK + r) * K + k) * es, CHUNK * es);
+          std::memcpy(dst + ((b * K + k) * ROWS + r * CHUNK) * es, src + ((b * ROWS + r) * K + k) * es, CHUNK * es);
   });
   return out;
 }
@@ -422,7 +420,7 @@ torch::Tensor repack_rows8_float(const torch::Tensor& w) {
 // x [..., K] (the weights' dtype) @ W.T, W [N, K] as repack_rows8_float holds it -> [..., N] in that
 // dtype, computed in float32.
 torch::Tensor packed_float_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
-  TORCH_CHECK(x.scalar_type() == packed.scalar_type() && packed.dim() == 4 && packed.size(2) == PACK &&
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type() && packed.dim() == 4 && packed.size(2) == ROWS &&
                   packed.size(3) == CHUNK && packed.is_contiguous(),
               "packed_float_linear: x in the weights' dtype, blocks from repack_rows8_float");
   if (x.scalar_type() == at::kHalf) return packed_linear<at::Half>(x, packed, N);
