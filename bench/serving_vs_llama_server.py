@@ -17,7 +17,9 @@ import sys
 from pathlib import Path
 
 # Linnet's own CPU kernels serve every dtype on `torch` (float32 too, since issue 38; ONNX Runtime before)
-BACKEND = {"f32": "torch", "f16": "torch", "bf16": "torch", "q8_0": "torch", "q4_0": "torch"}
+BACKEND = "torch"
+DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")  # linnet's short names; the long ones are taken too
+LONG = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 MEMORY_MARGIN = 1.10
 WORKLOADS = {
     "c8": ["--requests", "64", "--prompt-range", "32-128", "--new-tokens", "32", "--concurrency", "8"],
@@ -33,7 +35,7 @@ PREFIX_WORKLOADS = ("shared_prefix", "chats")
 def run(model: str, dtype: str, workload: str, rows: int, out: Path) -> dict:
     targets = "http,http-no-prefix-cache,llama-server" if workload in PREFIX_WORKLOADS else "http,llama-server"
     path = out / f"serving_llama_191m_{dtype}_{workload}.json"
-    cmd = ["linnet", "bench", model, "--serving", "--backend", BACKEND[dtype], "--dtype", dtype, "--rows", str(rows),
+    cmd = ["linnet", "bench", model, "--serving", "--backend", BACKEND, "--dtype", dtype, "--rows", str(rows),
            *WORKLOADS[workload], "--target", targets, "--save", str(path), "--quiet"]
     print("$", " ".join(cmd), file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)
@@ -60,16 +62,20 @@ def line(dtype: str, workload: str, rows: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
-    ap.add_argument("--dtypes", default=",".join(BACKEND))
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated: " + ", ".join(DTYPES))
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     a = ap.parse_args()
+    dtypes = [LONG.get(d, d) for d in a.dtypes.split(",")]
+    workloads = a.workloads.split(",")
+    if bad := [d for d in dtypes if d not in DTYPES] + [w for w in workloads if w not in WORKLOADS]:
+        ap.error(f"unknown dtype or workload: {', '.join(bad)} (dtypes: {', '.join(DTYPES)}; workloads: {', '.join(WORKLOADS)})")
     a.out.mkdir(parents=True, exist_ok=True)
     lines = ["| dtype | workload | output tok/s (Linnet / llama-server) | TTFT p99 | ITL p99 | server peak RSS | "
              "own TTFT p99 gain from prefix caching | all four |", "|---|---|---:|---:|---:|---:|---:|---|"]
-    for dtype in a.dtypes.split(","):
-        for workload in a.workloads.split(","):
+    for dtype in dtypes:
+        for workload in workloads:
             lines.append(line(dtype, workload, run(a.model, dtype, workload, a.rows, a.out)))
             print(lines[-1], file=sys.stderr, flush=True)
     print("\n".join(lines))
