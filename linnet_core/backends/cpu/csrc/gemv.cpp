@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "dynamic_for.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -101,9 +102,7 @@ void rows(const typename T::W* x, const typename T::W* w, int64_t K, int64_t N, 
 
 template <class T, int M>
 void gemv(const typename T::W* x, const typename T::W* w, int64_t K, int64_t N, typename T::W* y) {
-  at::parallel_for(0, (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK, 1, [&](int64_t t0, int64_t t1) {
-    rows<T, M>(x, w, K, N, t0 * ROWS_PER_TASK, std::min(N, t1 * ROWS_PER_TASK), y);
-  });
+  dynamic_for(N, ROWS_PER_TASK, [&](int64_t n0, int64_t n1) { rows<T, M>(x, w, K, N, n0, n1, y); });
 }
 
 // Token rows one pass over w takes: each row keeps its own two accumulators (16 vectors at 8 rows,
@@ -340,7 +339,7 @@ void packed_prompt(const X* xp, const W* wp, int64_t M, int64_t K, int64_t N, in
   const int64_t tasks = (blocks + PACKED_BLOCKS_PER_TASK - 1) / PACKED_BLOCKS_PER_TASK;
   constexpr int64_t group = PROMPT_GROUP_TILES * PACKED_TILE_M, stride = PACKED_BLOCKS_PER_TASK * ROWS;
   const int64_t slice = kSlicePrompt<W> ? PROMPT_SLICE_BYTES / int64_t(sizeof(W)) : K;
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+  dynamic_for(tasks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<Vf> park(kSlicePrompt<W> ? group * stride : 0);  // [group row][block of the task][its 4 rows]
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b0 = t * PACKED_BLOCKS_PER_TASK, b1 = std::min(blocks, b0 + PACKED_BLOCKS_PER_TASK);
@@ -379,7 +378,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   const auto xs = x.reshape({M, K}).contiguous();
   const W* xp = xs.data_ptr<W>();
   if (M <= 2) {  // decode: each thread streams its share of the blocks once
-    at::parallel_for(0, blocks / DECODE_BLOCKS, ROWS_PER_TASK / R, [&](int64_t p0, int64_t p1) {
+    dynamic_for(blocks / DECODE_BLOCKS, ROWS_PER_TASK / R, [&](int64_t p0, int64_t p1) {
       if (M == 1) packed_blocks<W, 1>(xp, wp, K, N, p0, p1, yp);
       else packed_blocks<W, 2>(xp, wp, K, N, p0, p1, yp);
     });

@@ -18,6 +18,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "dynamic_for.h"
 #include "vec.h"
 
 torch::Tensor huge_page_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
@@ -113,8 +114,8 @@ inline void group_rows(const Acts& a, int64_t m0, int mm, const uint8_t* g, int6
 template <int64_t F>
 void matmul(const Acts& a, int64_t M, const uint8_t* w, int64_t N, float* y) {
   const int64_t nb = a.K / BLOCK, groups = (N + ROWS - 1) / ROWS, gstride = nb * ROWS * block_bytes(F);
-  at::parallel_for(0, (groups + GROUPS_PER_TASK - 1) / GROUPS_PER_TASK, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t grp = t0 * GROUPS_PER_TASK; grp < std::min(groups, t1 * GROUPS_PER_TASK); ++grp)
+  dynamic_for(groups, GROUPS_PER_TASK, [&](int64_t g0, int64_t g1) {
+    for (int64_t grp = g0; grp < g1; ++grp)
       for (int64_t m0 = 0; m0 < M; m0 += MAX_M)
         group_rows<F>(a, m0, (int)std::min<int64_t>(MAX_M, M - m0), w + grp * gstride, nb, y + grp * ROWS, N,
                       std::min(ROWS, N - grp * ROWS));
