@@ -22,7 +22,7 @@ from ...private_dirs import check_private, make_private_dir
 SOURCES = [Path(__file__).parent / "csrc" / f for f in (
     "gemv.cpp", "quant_linear.cpp", "huge_pages.cpp", "decode_attention.cpp", "step_ops.cpp", "attention_block.cpp", "ops.cpp",
     "bindings.cpp")]
-HEADERS = [Path(__file__).parent / "csrc" / f for f in ("vec.h", "dynamic_for.h")]  # in the build key: the sources include it
+HEADERS = [Path(__file__).parent / "csrc" / f for f in ("vec.h", "dynamic_for.h")]  # in the build key: the sources include them
 COMMON_CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 QUANT_CODES = {"q8_0": 0, "q4_0": 1}  # quant_linear's format argument
 LEVEL_ENV = "LINNET_CPU_LEVEL"
