@@ -102,7 +102,7 @@ void rows(const typename T::W* x, const typename T::W* w, int64_t K, int64_t N, 
 
 template <class T, int M>
 void gemv(const typename T::W* x, const typename T::W* w, int64_t K, int64_t N, typename T::W* y) {
-  dynamic_for(N, ROWS_PER_TASK, [&](int64_t n0, int64_t n1) { rows<T, M>(x, w, K, N, n0, n1, y); });
+  streaming_for(N, ROWS_PER_TASK, [&](int64_t n0, int64_t n1) { rows<T, M>(x, w, K, N, n0, n1, y); });
 }
 
 // Token rows one pass over w takes: each row keeps its own two accumulators (16 vectors at 8 rows,
@@ -246,9 +246,9 @@ torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w) {
 // float16 and float32 weights (and bfloat16 where the ISA has no bf16 dot product: 59.5 against 56.7
 // tok/s for the row layout's GEMV at 191M on an AVX2 EPYC) repacked once at load for the kernels
 // below: w [N, K] -> [2 ceil(N / 8), K / 16, 4, 16], blocks of 4 rows interleaved 16 weights at a
-// time (rows past N are zeros). Decode reads two blocks (8 rows) at once, two streams, and loads
-// (widens) each 16 of x once for all 8, where the row-at-a-time GEMV above does so once per row: +16%
-// for float16 at Qwen3-4B's shapes (bench/half_gemv.py --shapes 4b), a plain read's speed. A prompt's
+// time (rows past N are zeros). Decode loads (widens) each 16 of x once for a block's 4 rows or a
+// pair's 8 (kDecodeBlocks), where the row-at-a-time GEMV above does so once per row: +16% for float16
+// at Qwen3-4B's shapes on a Zen 3 (bench/half_gemv.py --shapes 4b), a plain read's speed. A prompt's
 // register tile takes one block, a contiguous stream (blocks of 8, whose tiles read every other 128
 // bytes, ran them 10-15% slower on a Zen 3). Many rows of the unpacked layout at once (as tinyBLAS)
 // ran decode 12-50% slower.
@@ -257,23 +257,33 @@ torch::Tensor huge_page_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
 namespace {
 
 constexpr int64_t ROWS = 4, CHUNK = 16;  // rows per packed block, weights of a row together
-constexpr int64_t DECODE_BLOCKS = 2;     // blocks a decode pass takes at once (8 rows); the count is even
+constexpr int64_t PAIR = 2;  // the block count is even, so a decode pass may take two blocks at once
 
-// M token rows x [M, K] (as the weights: float16 or float32) against block pairs [p0, p1): y [M, N].
-template <typename W, int M>
+// Blocks a decode pass takes at once: two load each 16 of x once for 8 rows but read two streams of
+// K x 4 weights each; one reads one stream, prefetched kPrefetchBytes ahead. On a Zen 5, both levels,
+// in turns in one process (191M and Qwen3-4B shapes): one block ran 16-bit weights 1.21-1.45x as fast
+// and float32 1.02-1.09x on 16 registers, but float32 0.92x on 32.
+template <typename W>
+constexpr int kDecodeBlocks = std::is_same_v<W, float> && kRegs == 32 ? PAIR : 1;
+
+// M token rows x [M, K] (as the weights: float16 or float32) against passes [p0, p1) of B blocks: y [M, N].
+template <typename W, int M, int B>
 void packed_blocks(const W* x, const W* w, int64_t K, int64_t N, int64_t p0, int64_t p1, W* y) {
-  constexpr int R = ROWS * DECODE_BLOCKS;
+  constexpr int R = ROWS * B;
   for (int64_t p = p0; p < p1; ++p) {
-    const W* pair = w + p * K * R;
+    const W* first = w + p * K * R;
     Vf acc[M][R];
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) acc[m][r] = zero();
     for (int64_t k = 0; k < K; k += CHUNK) {
+      if constexpr (B == 1)
+        for (int64_t o = 0; o < CHUNK * ROWS * (int64_t)sizeof(W); o += 64)
+          prefetch_l2((const char*)(first + k * ROWS) + kPrefetchBytes + o);
       for (int64_t part = 0; part < CHUNK; part += kW) {
         Vf xv[M];
         for (int m = 0; m < M; ++m) xv[m] = load(x + m * K + k + part);
-        const W* wk = pair + k * ROWS + part;
-        for (int r = 0; r < R; ++r) {  // row r: block r / ROWS of the pair, its row r % ROWS
+        const W* wk = first + k * ROWS + part;
+        for (int r = 0; r < R; ++r) {  // row r: block r / ROWS of the pass, its row r % ROWS
           const Vf wv = load(wk + r / ROWS * K * ROWS + r % ROWS * CHUNK);
           for (int m = 0; m < M; ++m) acc[m][r] = fma(wv, xv[m], acc[m][r]);
         }
@@ -367,8 +377,8 @@ void packed_prompt(const X* xp, const W* wp, int64_t M, int64_t K, int64_t N, in
 template <typename W>
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
   const int64_t K = x.size(-1), M = x.numel() / K, blocks = packed.size(0);
-  constexpr int64_t R = ROWS * DECODE_BLOCKS;
-  TORCH_CHECK(packed.size(1) * CHUNK == K && (N + R - 1) / R * DECODE_BLOCKS == blocks, "packed linear: blocks of another shape");
+  constexpr int64_t R = ROWS * PAIR, B = kDecodeBlocks<W>;
+  TORCH_CHECK(packed.size(1) * CHUNK == K && (N + R - 1) / R * PAIR == blocks, "packed linear: blocks of another shape");
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = torch::empty({M, N}, x.options());
@@ -378,9 +388,9 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   const auto xs = x.reshape({M, K}).contiguous();
   const W* xp = xs.data_ptr<W>();
   if (M <= 2) {  // decode: each thread streams its share of the blocks once
-    dynamic_for(blocks / DECODE_BLOCKS, ROWS_PER_TASK / R, [&](int64_t p0, int64_t p1) {
-      if (M == 1) packed_blocks<W, 1>(xp, wp, K, N, p0, p1, yp);
-      else packed_blocks<W, 2>(xp, wp, K, N, p0, p1, yp);
+    streaming_for(blocks / B, ROWS_PER_TASK / (ROWS * B), [&](int64_t p0, int64_t p1) {
+      if (M == 1) packed_blocks<W, 1, B>(xp, wp, K, N, p0, p1, yp);
+      else packed_blocks<W, 2, B>(xp, wp, K, N, p0, p1, yp);
     });
     return y.view(sizes);
   }
@@ -402,8 +412,8 @@ torch::Tensor repack_rows8_float(const torch::Tensor& w) {
   TORCH_CHECK((dtype == at::kHalf || dtype == at::kFloat || dtype == at::kBFloat16) && w.dim() == 2 &&
                   w.is_contiguous() && w.size(1) % CHUNK == 0,
               "repack_rows8_float: contiguous float16, bfloat16 or float32 [N, K] with K % 16 == 0");
-  constexpr int64_t R = ROWS * DECODE_BLOCKS;
-  const int64_t N = w.size(0), K = w.size(1), blocks = (N + R - 1) / R * DECODE_BLOCKS, es = w.element_size();
+  constexpr int64_t R = ROWS * PAIR;
+  const int64_t N = w.size(0), K = w.size(1), blocks = (N + R - 1) / R * PAIR, es = w.element_size();
   auto out = huge_page_zeros({blocks, K / CHUNK, ROWS, CHUNK}, w.scalar_type());
   const auto* src = static_cast<const char*>(w.data_ptr());
   auto* dst = static_cast<char*>(out.data_ptr());
