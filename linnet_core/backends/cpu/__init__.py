@@ -19,7 +19,8 @@ dispatch (`LINNET_CPU_LEVEL` forces a lower one):
   all three; Ampere Altra dotprod), or plain NEON.
 
 The linears split their rows between threads as the threads come free (`csrc/dynamic_for.h`), not in
-equal halves: a shared machine's cores drift apart. The kernels:
+equal halves: a shared machine's cores drift apart; a decode's takes shrink as the rows run out, so each
+thread reads a few long streams that the hardware prefetcher follows. The kernels:
 
 - `gemv_bf16`, `gemv_f16`, `gemv_f32`: matrix-vector products for a few token rows (decode steps and
   speculative checks; 8 rows a pass, each row's sums its own). At batch 1 a decode step reads every weight once; these stream it one weight row at a time (a plain read's
