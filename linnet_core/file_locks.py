@@ -12,7 +12,8 @@ class SharedLock:
     """A shared lock held until `release` (or until dropped, or the process ends)."""
 
     def __init__(self, path: Path):
-        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd: int | None = None  # set first: __del__ runs even when the open below raises
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_SH)  # waits only while someone holds it exclusively
 
     def release(self) -> None:
