@@ -14,7 +14,7 @@
 // (8 above) always did: a third fewer vector ops a block than signing each operand, and ~10% faster
 // over a decode step's weights. The stored blocks are the same on every level. One register kernel
 // serves decode and prompts: each group of 8 rows is run against every token row while its blocks
-// sit in L1.
+// sit in L1; on AVX-512 a prompt's pass takes two groups in 512-bit registers (group_pair_dot).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -92,6 +92,35 @@ inline void group_dot(const Acts& a, int64_t m0, const uint8_t* g, int64_t nb, f
   for (int m = 0; m < MM; ++m) f8_store(y + (m0 + m) * N, acc[m], valid);  // a last group padded past N
 }
 
+#if LINNET_AVX512
+// As group_dot, over two groups at once (g and the next, whose outputs follow g's in y), each lane
+// computing what group_dot's does: a prompt's passes are bound by the vector ops, not memory, and each
+// op here does two groups' work. On a Zen 5 a 128-token prompt at the 4B MLP's shape took 6.2 ms in q4_0
+// (10.3 a group at a time) and 7.2 in q8_0 (10.9).
+template <int64_t F, int MM>
+inline void group_pair_dot(const Acts& a, int64_t m0, const uint8_t* g, int64_t gstride, int64_t nb, float* y,
+                           int64_t N, int64_t valid) {
+  constexpr int64_t gbytes = ROWS * (F == Q8_0 ? 34 : 18);
+  const uint8_t* h = g + gstride;
+  Fw acc[MM];
+  for (int m = 0; m < MM; ++m) acc[m] = fw_zero();
+  for (int64_t b = 0; b < nb; ++b, g += gbytes, h += gbytes) {
+    for (int64_t o = 0; o < gbytes; o += 64) {
+      prefetch_l2(g + kPrefetchBytes + o);
+      prefetch_l2(h + kPrefetchBytes + o);
+    }
+    const Fw wd = fw_halves(g, h);
+    const Qw w = F == Q4_0 ? load_q4(g + 16, h + 16) : load_q8(g + 16, h + 16);
+    for (int m = 0; m < MM; ++m) {
+      const int64_t i = (m0 + m) * nb + b;
+      const Sw s = sums<F == Q4_0>(w, a.q + i * BLOCK, a.corr[i]);
+      acc[m] = fw_fma(fw_from(s), fw_mul(wd, fw_set1(a.d[i])), acc[m]);
+    }
+  }
+  for (int m = 0; m < MM; ++m) fw_store(y + (m0 + m) * N, acc[m], valid);
+}
+#endif
+
 template <int64_t F>
 inline void group_rows(const Acts& a, int64_t m0, int mm, const uint8_t* g, int64_t nb, float* y, int64_t N,
                        int64_t valid) {
@@ -111,11 +140,36 @@ inline void group_rows(const Acts& a, int64_t m0, int mm, const uint8_t* g, int6
   }
 }
 
+#if LINNET_AVX512
+template <int64_t F>
+inline void group_pair_rows(const Acts& a, int64_t m0, int mm, const uint8_t* g, int64_t gstride, int64_t nb,
+                            float* y, int64_t N, int64_t valid) {
+  switch (mm) {
+    case 1: return group_pair_dot<F, 1>(a, m0, g, gstride, nb, y, N, valid);
+    case 2: return group_pair_dot<F, 2>(a, m0, g, gstride, nb, y, N, valid);
+    case 3: return group_pair_dot<F, 3>(a, m0, g, gstride, nb, y, N, valid);
+    case 4: return group_pair_dot<F, 4>(a, m0, g, gstride, nb, y, N, valid);
+    case 5: return group_pair_dot<F, 5>(a, m0, g, gstride, nb, y, N, valid);
+    case 6: return group_pair_dot<F, 6>(a, m0, g, gstride, nb, y, N, valid);
+    case 7: return group_pair_dot<F, 7>(a, m0, g, gstride, nb, y, N, valid);
+    default: return group_pair_dot<F, 8>(a, m0, g, gstride, nb, y, N, valid);
+  }
+}
+#endif
+
 template <int64_t F>
 void matmul(const Acts& a, int64_t M, const uint8_t* w, int64_t N, float* y) {
   const int64_t nb = a.K / BLOCK, groups = (N + ROWS - 1) / ROWS, gstride = nb * ROWS * block_bytes(F);
   streaming_for(groups, MIN_GROUPS_PER_TASK, [&](int64_t g0, int64_t g1) {
-    for (int64_t grp = g0; grp < g1; ++grp)
+    int64_t grp = g0;
+#if LINNET_AVX512
+    if (M > 2)  // prompts and checks: two groups a pass (decode keeps one stream)
+      for (; grp + 1 < g1; grp += 2)
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_M)
+          group_pair_rows<F>(a, m0, (int)std::min<int64_t>(MAX_M, M - m0), w + grp * gstride, gstride, nb,
+                             y + grp * ROWS, N, std::min(2 * ROWS, N - grp * ROWS));
+#endif
+    for (; grp < g1; ++grp)
       for (int64_t m0 = 0; m0 < M; m0 += MAX_M)
         group_rows<F>(a, m0, (int)std::min<int64_t>(MAX_M, M - m0), w + grp * gstride, nb, y + grp * ROWS, N,
                       std::min(ROWS, N - grp * ROWS));

@@ -253,6 +253,51 @@ inline Q8 load_q4(const uint8_t* q) {  // 4 chunks of nibbles: low ones weights 
   }
   return w;
 }
+#if LINNET_AVX512
+// Sixteen rows at once, two groups of 8 side by side in a 512-bit register (lanes 0-7 the first
+// group's rows, 8-15 the second's): each lane computes what F8's does, with half the instructions.
+using Fw = __m512;
+using Sw = __m512i;
+struct Qw { __m512i c[8]; };
+inline Fw fw_zero() { return _mm512_setzero_ps(); }
+inline Fw fw_set1(float v) { return _mm512_set1_ps(v); }
+inline Fw fw_mul(Fw a, Fw b) { return _mm512_mul_ps(a, b); }
+inline Fw fw_fma(Fw a, Fw b, Fw c) { return _mm512_fmadd_ps(a, b, c); }
+inline Fw fw_halves(const uint8_t* p0, const uint8_t* p1) {
+  const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)p0)),
+                                            _mm_loadu_si128((const __m128i*)p1), 1);
+  return _mm512_cvtph_ps(h);
+}
+inline Fw fw_from(Sw v) { return _mm512_cvtepi32_ps(v); }
+inline void fw_store(float* p, Fw v, int64_t n) {  // the first n lanes
+  _mm512_mask_storeu_ps(p, n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1), v);
+}
+inline __m512i join(const uint8_t* p0, const uint8_t* p1) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p0)),
+                            _mm256_loadu_si256((const __m256i*)p1), 1);
+}
+inline Qw load_q4(const uint8_t* q0, const uint8_t* q1) {
+  Qw w;
+  for (int c = 0; c < 4; ++c) {
+    const __m512i packed = join(q0 + 32 * c, q1 + 32 * c);
+    w.c[c] = _mm512_and_si512(packed, _mm512_set1_epi8(0x0F));
+    w.c[c + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F));
+  }
+  return w;
+}
+inline Qw load_q8(const uint8_t* q0, const uint8_t* q1) {
+  Qw w;
+  for (int c = 0; c < 8; ++c) w.c[c] = join(q0 + 32 * c, q1 + 32 * c);
+  return w;
+}
+template <bool Q4>
+inline Sw sums(const Qw& w, const int8_t* x, int32_t corr) {
+  const int32_t* x4 = (const int32_t*)x;
+  Sw s = _mm512_set1_epi32(corr);
+  for (int c = 0; c < 8; ++c) s = _mm512_dpbusd_epi32(s, w.c[c], _mm512_set1_epi32(x4[c]));
+  return s;
+}
+#endif
 #if LINNET_AVX512 || defined(__AVXVNNI__)
 inline S8 dpbusd(S8 acc, __m256i u8, __m256i s8) {
 #if LINNET_AVX512
