@@ -14,7 +14,7 @@
 // (8 above) always did: a third fewer vector ops a block than signing each operand, and ~10% faster
 // over a decode step's weights. The stored blocks are the same on every level. One register kernel
 // serves decode and prompts: each group of 8 rows is run against every token row while its blocks
-// sit in L1; on AVX-512 a prompt's pass takes two groups in 512-bit registers (group_pair_dot).
+// sit in L1; on AVX-512 (vec.h's wide groups) a prompt's pass takes two groups (group_pair_dot).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -92,7 +92,7 @@ inline void group_dot(const Acts& a, int64_t m0, const uint8_t* g, int64_t nb, f
   for (int m = 0; m < MM; ++m) f8_store(y + (m0 + m) * N, acc[m], valid);  // a last group padded past N
 }
 
-#if LINNET_AVX512
+#if LINNET_WIDE_GROUPS
 // As group_dot, over two groups at once (g and the next, whose outputs follow g's in y), each lane
 // computing what group_dot's does: a prompt's passes are bound by the vector ops, not memory, and each
 // op here does two groups' work. On a Zen 5 a 128-token prompt at the 4B MLP's shape took 6.2 ms in q4_0
@@ -140,7 +140,7 @@ inline void group_rows(const Acts& a, int64_t m0, int mm, const uint8_t* g, int6
   }
 }
 
-#if LINNET_AVX512
+#if LINNET_WIDE_GROUPS
 template <int64_t F>
 inline void group_pair_rows(const Acts& a, int64_t m0, int mm, const uint8_t* g, int64_t gstride, int64_t nb,
                             float* y, int64_t N, int64_t valid) {
@@ -162,7 +162,7 @@ void matmul(const Acts& a, int64_t M, const uint8_t* w, int64_t N, float* y) {
   const int64_t nb = a.K / BLOCK, groups = (N + ROWS - 1) / ROWS, gstride = nb * ROWS * block_bytes(F);
   streaming_for(groups, MIN_GROUPS_PER_TASK, [&](int64_t g0, int64_t g1) {
     int64_t grp = g0;
-#if LINNET_AVX512
+#if LINNET_WIDE_GROUPS
     if (M > 2)  // prompts and checks: two groups a pass (decode keeps one stream)
       for (; grp + 1 < g1; grp += 2)
         for (int64_t m0 = 0; m0 < M; m0 += MAX_M)

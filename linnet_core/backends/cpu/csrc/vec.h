@@ -256,6 +256,7 @@ inline Q8 load_q4(const uint8_t* q) {  // 4 chunks of nibbles: low ones weights 
 #if LINNET_AVX512
 // Sixteen rows at once, two groups of 8 side by side in a 512-bit register (lanes 0-7 the first
 // group's rows, 8-15 the second's): each lane computes what F8's does, with half the instructions.
+#define LINNET_WIDE_GROUPS 1  // Fw, Sw, Qw below exist on this level
 using Fw = __m512;
 using Sw = __m512i;
 struct Qw { __m512i c[8]; };
