@@ -30,7 +30,7 @@ constexpr int64_t ROWS = 8;    // weight rows interleaved in a group (one dot-pr
 // token rows per register pass: with 32 wide registers 8 accumulators beside a block's 8 chunks, so a
 // prompt decodes each block's quants once per 8 token rows; 4 with 16 (and on NEON, whose chunks take 16)
 constexpr int MAX_M = linnet::kW == 16 ? 8 : 4;
-constexpr int64_t MIN_GROUPS_PER_TASK = 8;  // a thread's least take (streaming_for): 37 KiB of q4_0 at K = 1024
+constexpr int64_t MIN_GROUPS_PER_TASK = 8;  // a thread's least take (streaming_for): 36 KiB of q4_0 at K = 1024
 
 enum Format : int64_t { Q8_0 = 0, Q4_0 = 1 };
 
