@@ -96,7 +96,7 @@ def test_a_quantized_artifact_serves_the_same_answer(triton):
 
 def test_a_client_that_leaves_is_cancelled(triton):
     url, _, log = triton
-    body = {"text_input": "Once", "max_tokens": 80, "stream": True,
+    body = {"text_input": "Once", "max_tokens": 240, "stream": True,
             "sampling_parameters": json.dumps({"ignore_eos": True})}
     with httpx.stream("POST", f"{url}/v2/models/tiny/generate_stream", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
