@@ -14,8 +14,8 @@
 // (8 above) always did: a third fewer vector ops a block than signing each operand, and ~10% faster
 // over a decode step's weights. The stored blocks are the same on every level. One register kernel
 // serves decode and prompts: each group of 8 rows is run against every token row while its blocks
-// sit in L1; on AVX-512 (vec.h's wide groups) a prompt longer than one register pass of token rows
-// takes two groups a pass (group_pair_dot).
+// sit in L1; on AVX-512 (vec.h's wide groups) a pass of PAIR_MIN_ROWS token rows or more takes two
+// groups at once (group_pair_dot).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -32,6 +32,11 @@ constexpr int64_t ROWS = 8;    // weight rows interleaved in a group (one dot-pr
 // prompt decodes each block's quants once per 8 token rows; 4 with 16 (and on NEON, whose chunks take 16)
 constexpr int MAX_M = linnet::kW == 16 ? 8 : 4;
 constexpr int64_t MIN_GROUPS_PER_TASK = 8;  // a thread's least take (streaming_for): 36 KiB of q4_0 at K = 1024
+// Token rows from which a pass takes two groups (AVX-512): fewer (decode, a check of k <= 4 drafts)
+// keep one group. On a Zen 5, in turns, weights streamed from memory, 3-5 rows ran 1.1-1.5x as fast
+// in one group (the 4B MLP's shape, q4_0: 5 rows 0.46 against 0.49 ms, 4 rows 0.36 against 0.58);
+// from 6 rows the 191M's shapes ran 1.3x as fast in pairs (q4_0, 6 rows: 0.057 against 0.074 ms).
+constexpr int64_t PAIR_MIN_ROWS = 6;
 
 enum Format : int64_t { Q8_0 = 0, Q4_0 = 1 };
 
@@ -164,9 +169,7 @@ void matmul(const Acts& a, int64_t M, const uint8_t* w, int64_t N, float* y) {
   streaming_for(groups, MIN_GROUPS_PER_TASK, [&](int64_t g0, int64_t g1) {
     int64_t grp = g0;
 #if LINNET_WIDE_GROUPS
-    // Prompts: two groups a pass. Decode and a draft's check (M <= MAX_M, one register pass) keep one
-    // group: on a Zen 5 at the 4B MLP's shape, M = 3 took 0.28 ms so against 0.41 in pairs (q4_0).
-    if (M > MAX_M)
+    if (M >= PAIR_MIN_ROWS)
       for (; grp + 1 < g1; grp += 2)
         for (int64_t m0 = 0; m0 < M; m0 += MAX_M)
           group_pair_rows<F>(a, m0, (int)std::min<int64_t>(MAX_M, M - m0), w + grp * gstride, gstride, nb,
