@@ -325,13 +325,16 @@ def test_float16_linears_run_decode_by_the_gemv_and_prompts_by_the_tiled_gemm(ex
         assert torch.allclose(got.float(), F.linear(prompt.float(), w.float()), atol=2e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("slices", ["0", "1"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
-def test_packed_float_linears_match_the_product(ext, dtype):
+def test_packed_float_linears_match_the_product(ext, dtype, slices, monkeypatch):
     """Weights repacked in blocks of 4 rows interleaved (decode takes 8 at once) compute the float32 product, rounded once to the dtype
     (a 16-bit type's half ulp; float32's own summation order), decode rows and prompts, at every tile edge
     (rows past a block of 8, token rows past a tile of 2 or 6; K over several of the prompt's slices, tokens
-    past a group of tiles)."""
+    past a group of tiles), with float32 prompts through K in slices and whole (the L1's size picks one)."""
     from linnet_core.backends.cpu.linears import PackedFloatLinear
+
+    monkeypatch.setenv("LINNET_PROMPT_SLICES", slices)
 
     g = torch.Generator().manual_seed(7)
     tol = {torch.float16: dict(atol=2e-3, rtol=1e-3), torch.bfloat16: dict(atol=1.6e-2, rtol=8e-3),

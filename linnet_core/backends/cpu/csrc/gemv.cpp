@@ -16,9 +16,14 @@
 #include "vec.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#if __has_include(<unistd.h>)
+#include <unistd.h>  // sysconf: the L1's size
+#endif
 
 namespace {
 
@@ -337,20 +342,39 @@ constexpr bool kTokensAsFloat = kRegs == 16;
 
 // A prompt's pass over a task's blocks can go through K in slices of PROMPT_SLICE_BYTES of each weight
 // row, and through the token rows in groups of PROMPT_GROUP_TILES tiles, so that one slice of the task's
-// blocks (192 KiB) stays in L2 while a group's rows pass. Only float32 in the 16-register build gains
+// blocks (192 KiB) stays in L2 while a group's rows pass. Only float32 in the 16-register build gained
 // (4B shape, bench/half_gemv.py: Zen 2 117 -> 134 GFLOP/s, Zen 4's AVX2 build 143 -> 149); 16-bit
-// weights and the AVX-512 build lost 2-8%, so they take K whole.
-constexpr int64_t PROMPT_SLICE_BYTES = 4096, PROMPT_GROUP_TILES = 8;
+// weights and the AVX-512 build lost 2-8%, so they take K whole. Whether to slice is decided at run
+// time: with it fixed at compile time, a Zen 5's AVX2 build ran float32 prompts at 171-185 GFLOP/s,
+// decided at run time 206-223 either way (in turns in one process). Cores with a 48 KiB L1 take K
+// whole; smaller ones slice, as the Zen 2 and Zen 4 measurements chose.
+constexpr int64_t PROMPT_SLICE_BYTES = 4096, PROMPT_GROUP_TILES = 8, SLICE_BELOW_L1_BYTES = 48 * 1024;
 template <typename W>
-constexpr bool kSlicePrompt = kRegs == 16 && std::is_same_v<W, float>;
+constexpr bool kSliceable = kRegs == 16 && std::is_same_v<W, float>;
+
+// LINNET_PROMPT_SLICES=0/1 overrides the L1's choice (the tests take both ways on any CPU); where the C
+// library cannot tell the L1's size, prompts slice.
+bool slice_prompts() {
+  if (const char* forced = std::getenv("LINNET_PROMPT_SLICES")) return forced[0] == '1';
+  static const bool small_l1 = [] {
+#ifdef _SC_LEVEL1_DCACHE_SIZE
+    const long l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);  // glibc's, from the CPU's own report
+#else
+    const long l1 = 0;
+#endif
+    return l1 <= 0 || l1 < SLICE_BELOW_L1_BYTES;
+  }();
+  return small_l1;
+}
 
 template <typename W, typename X>
 void packed_prompt(const X* xp, const W* wp, int64_t M, int64_t K, int64_t N, int64_t blocks, W* yp) {
   const int64_t tasks = (blocks + PACKED_BLOCKS_PER_TASK - 1) / PACKED_BLOCKS_PER_TASK;
   constexpr int64_t group = PROMPT_GROUP_TILES * PACKED_TILE_M, stride = PACKED_BLOCKS_PER_TASK * ROWS;
-  const int64_t slice = kSlicePrompt<W> ? PROMPT_SLICE_BYTES / int64_t(sizeof(W)) : K;
+  const bool sliced = kSliceable<W> && slice_prompts();
+  const int64_t slice = sliced ? PROMPT_SLICE_BYTES / int64_t(sizeof(W)) : K;
   dynamic_for(tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<Vf> park(kSlicePrompt<W> ? group * stride : 0);  // [group row][block of the task][its 4 rows]
+    std::vector<Vf> park(sliced ? group * stride : 0);  // [group row][block of the task][its 4 rows]
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b0 = t * PACKED_BLOCKS_PER_TASK, b1 = std::min(blocks, b0 + PACKED_BLOCKS_PER_TASK);
       for (int64_t g0 = 0; g0 < M; g0 += group)
@@ -359,7 +383,7 @@ void packed_prompt(const X* xp, const W* wp, int64_t M, int64_t K, int64_t N, in
           for (int64_t m0 = g0; m0 < std::min(M, g0 + group); m0 += PACKED_TILE_M)
             for (int64_t b = b0; b < b1 && b * ROWS < N; ++b) {
               const W* block = wp + b * K * ROWS;
-              Vf* pk = kSlicePrompt<W> ? park.data() + ((m0 - g0) * PACKED_BLOCKS_PER_TASK + (b - b0)) * ROWS : nullptr;
+              Vf* pk = sliced ? park.data() + ((m0 - g0) * PACKED_BLOCKS_PER_TASK + (b - b0)) * ROWS : nullptr;
               switch (std::min(PACKED_TILE_M, M - m0)) {
                 case 1: packed_tile<W, X, 1>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp); break;
                 case 2: packed_tile<W, X, 2>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp); break;
