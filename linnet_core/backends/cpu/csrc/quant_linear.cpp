@@ -15,7 +15,7 @@
 // over a decode step's weights. The stored blocks are the same on every level. One register kernel
 // serves decode and prompts: each group of 8 rows is run against every token row while its blocks
 // sit in L1; on AVX-512 (vec.h's wide groups) a pass of PAIR_MIN_ROWS token rows or more takes two
-// groups at once (group_pair_dot).
+// groups at once (group_dot's G = 2, vec.h's Lanes<2>).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -77,91 +77,51 @@ void quantize_acts(const float* x, int64_t blocks, int32_t offset, int8_t* q, fl
 // chunk c holding bytes [4c, 4c + 4) of each row's quants in row order. q4_0's chunk c gives weights
 // 4c..4c+3 (low nibbles) and 16+4c..16+4c+3 (high nibbles); q8_0's chunk c weights 4c..4c+3.
 // MM, the token rows, is a template argument: with a run-time count the accumulators live on the
-// stack, and decode (MM = 1) ran ~7% slower a step than with them in registers.
-template <int64_t F, int MM>
-inline void group_dot(const Acts& a, int64_t m0, const uint8_t* g, int64_t nb, float* y, int64_t N,
-                      int64_t valid) {
+// stack, and decode (MM = 1) ran ~7% slower a step than with them in registers. G groups at once (g and
+// the next, gstride on, whose outputs follow g's in y), each lane computing what one group's does: a
+// prompt's passes are bound by the vector ops, not memory, and with G = 2 each op does two groups' work
+// (on a Zen 5 a 128-token prompt at the 4B MLP's shape took 6.2 ms in q4_0, 10.3 a group at a time;
+// q8_0 7.2 and 10.9).
+template <int64_t F, int MM, int G>
+inline void group_dot(const Acts& a, int64_t m0, const uint8_t* g, int64_t gstride, int64_t nb, float* y,
+                      int64_t N, int64_t valid) {
+  using L = Lanes<G>;
   constexpr int64_t gbytes = ROWS * (F == Q8_0 ? 34 : 18);
-  F8 acc[MM];
-  for (int m = 0; m < MM; ++m) acc[m] = f8_zero();
+  typename L::F acc[MM];
+  for (int m = 0; m < MM; ++m) acc[m] = L::zero();
   for (int64_t b = 0; b < nb; ++b, g += gbytes) {
     // past a group's end: the next's. One token row too: on a Zen 5, q4_0 streamed 10-20% faster so.
-    for (int64_t o = 0; o < gbytes; o += 64) prefetch_l2(g + kPrefetchBytes + o);
-    const F8 wd = f8_halves(g);  // the 8 rows' scales
-    const Q8 w = F == Q4_0 ? load_q4(g + 16) : load_q8(g + 16);
+    for (int64_t o = 0; o < gbytes; o += 64)
+      for (int i = 0; i < G; ++i) prefetch_l2(g + i * gstride + kPrefetchBytes + o);
+    const typename L::F wd = L::halves(g, gstride);  // the rows' scales
+    const typename L::Q w = F == Q4_0 ? L::quants4(g + 16, gstride) : L::quants8(g + 16, gstride);
     for (int m = 0; m < MM; ++m) {
       const int64_t i = (m0 + m) * nb + b;
-      const S8 s = sums<F == Q4_0>(w, a.q + i * BLOCK, a.corr[i]);
-      acc[m] = f8_fma(f8_from(s), f8_mul(wd, f8_set1(a.d[i])), acc[m]);
+      const typename L::S s = sums<F == Q4_0>(w, a.q + i * BLOCK, a.corr[i]);
+      acc[m] = L::fma(L::from(s), L::mul(wd, L::set1(a.d[i])), acc[m]);
     }
   }
-  for (int m = 0; m < MM; ++m) f8_store(y + (m0 + m) * N, acc[m], valid);  // a last group padded past N
+  for (int m = 0; m < MM; ++m) L::store(y + (m0 + m) * N, acc[m], valid);  // a last group padded past N
 }
 
-#if LINNET_WIDE_GROUPS
-// As group_dot, over two groups at once (g and the next, whose outputs follow g's in y), each lane
-// computing what group_dot's does: a prompt's passes are bound by the vector ops, not memory, and each
-// op here does two groups' work. On a Zen 5 a 128-token prompt at the 4B MLP's shape took 6.2 ms in q4_0
-// (10.3 a group at a time) and 7.2 in q8_0 (10.9).
-template <int64_t F, int MM>
-inline void group_pair_dot(const Acts& a, int64_t m0, const uint8_t* g, int64_t gstride, int64_t nb, float* y,
-                           int64_t N, int64_t valid) {
-  constexpr int64_t gbytes = ROWS * (F == Q8_0 ? 34 : 18);
-  const uint8_t* h = g + gstride;
-  Fw acc[MM];
-  for (int m = 0; m < MM; ++m) acc[m] = fw_zero();
-  for (int64_t b = 0; b < nb; ++b, g += gbytes, h += gbytes) {
-    for (int64_t o = 0; o < gbytes; o += 64) {
-      prefetch_l2(g + kPrefetchBytes + o);
-      prefetch_l2(h + kPrefetchBytes + o);
-    }
-    const Fw wd = fw_halves(g, h);
-    const Qw w = F == Q4_0 ? load_q4(g + 16, h + 16) : load_q8(g + 16, h + 16);
-    for (int m = 0; m < MM; ++m) {
-      const int64_t i = (m0 + m) * nb + b;
-      const Sw s = sums<F == Q4_0>(w, a.q + i * BLOCK, a.corr[i]);
-      acc[m] = fw_fma(fw_from(s), fw_mul(wd, fw_set1(a.d[i])), acc[m]);
-    }
-  }
-  for (int m = 0; m < MM; ++m) fw_store(y + (m0 + m) * N, acc[m], valid);
-}
-#endif
-
-template <int64_t F>
-inline void group_rows(const Acts& a, int64_t m0, int mm, const uint8_t* g, int64_t nb, float* y, int64_t N,
-                       int64_t valid) {
+template <int64_t F, int G>
+inline void group_rows(const Acts& a, int64_t m0, int mm, const uint8_t* g, int64_t gstride, int64_t nb, float* y,
+                       int64_t N, int64_t valid) {
   switch (mm) {
-    case 1: return group_dot<F, 1>(a, m0, g, nb, y, N, valid);
-    case 2: return group_dot<F, 2>(a, m0, g, nb, y, N, valid);
-    case 3: return group_dot<F, 3>(a, m0, g, nb, y, N, valid);
-    case 4: return group_dot<F, 4>(a, m0, g, nb, y, N, valid);
+    case 1: return group_dot<F, 1, G>(a, m0, g, gstride, nb, y, N, valid);
+    case 2: return group_dot<F, 2, G>(a, m0, g, gstride, nb, y, N, valid);
+    case 3: return group_dot<F, 3, G>(a, m0, g, gstride, nb, y, N, valid);
+    case 4: return group_dot<F, 4, G>(a, m0, g, gstride, nb, y, N, valid);
   }
   if constexpr (MAX_M == 8) {
     switch (mm) {
-      case 5: return group_dot<F, 5>(a, m0, g, nb, y, N, valid);
-      case 6: return group_dot<F, 6>(a, m0, g, nb, y, N, valid);
-      case 7: return group_dot<F, 7>(a, m0, g, nb, y, N, valid);
-      case 8: return group_dot<F, 8>(a, m0, g, nb, y, N, valid);
+      case 5: return group_dot<F, 5, G>(a, m0, g, gstride, nb, y, N, valid);
+      case 6: return group_dot<F, 6, G>(a, m0, g, gstride, nb, y, N, valid);
+      case 7: return group_dot<F, 7, G>(a, m0, g, gstride, nb, y, N, valid);
+      case 8: return group_dot<F, 8, G>(a, m0, g, gstride, nb, y, N, valid);
     }
   }
 }
-
-#if LINNET_WIDE_GROUPS
-template <int64_t F>
-inline void group_pair_rows(const Acts& a, int64_t m0, int mm, const uint8_t* g, int64_t gstride, int64_t nb,
-                            float* y, int64_t N, int64_t valid) {
-  switch (mm) {
-    case 1: return group_pair_dot<F, 1>(a, m0, g, gstride, nb, y, N, valid);
-    case 2: return group_pair_dot<F, 2>(a, m0, g, gstride, nb, y, N, valid);
-    case 3: return group_pair_dot<F, 3>(a, m0, g, gstride, nb, y, N, valid);
-    case 4: return group_pair_dot<F, 4>(a, m0, g, gstride, nb, y, N, valid);
-    case 5: return group_pair_dot<F, 5>(a, m0, g, gstride, nb, y, N, valid);
-    case 6: return group_pair_dot<F, 6>(a, m0, g, gstride, nb, y, N, valid);
-    case 7: return group_pair_dot<F, 7>(a, m0, g, gstride, nb, y, N, valid);
-    default: return group_pair_dot<F, 8>(a, m0, g, gstride, nb, y, N, valid);
-  }
-}
-#endif
 
 template <int64_t F>
 void matmul(const Acts& a, int64_t M, const uint8_t* w, int64_t N, float* y) {
@@ -172,13 +132,13 @@ void matmul(const Acts& a, int64_t M, const uint8_t* w, int64_t N, float* y) {
     if (M >= PAIR_MIN_ROWS)
       for (; grp + 1 < g1; grp += 2)
         for (int64_t m0 = 0; m0 < M; m0 += MAX_M)
-          group_pair_rows<F>(a, m0, (int)std::min<int64_t>(MAX_M, M - m0), w + grp * gstride, gstride, nb,
-                             y + grp * ROWS, N, std::min(2 * ROWS, N - grp * ROWS));
+          group_rows<F, 2>(a, m0, (int)std::min<int64_t>(MAX_M, M - m0), w + grp * gstride, gstride, nb,
+                           y + grp * ROWS, N, std::min(2 * ROWS, N - grp * ROWS));
 #endif
     for (; grp < g1; ++grp)
       for (int64_t m0 = 0; m0 < M; m0 += MAX_M)
-        group_rows<F>(a, m0, (int)std::min<int64_t>(MAX_M, M - m0), w + grp * gstride, nb, y + grp * ROWS, N,
-                      std::min(ROWS, N - grp * ROWS));
+        group_rows<F, 1>(a, m0, (int)std::min<int64_t>(MAX_M, M - m0), w + grp * gstride, gstride, nb,
+                         y + grp * ROWS, N, std::min(ROWS, N - grp * ROWS));
   });
 }
 

@@ -228,6 +228,11 @@ inline Vf dot_bf16(Vf acc, const uint16_t* w, const uint16_t* x) {
 // integers on every level: sums_q4 / sums_q8 return sum_j value(row, j) * x[j] + corr where the
 // stored quants are their value + 8 (q4_0 nibbles) or + 128 (q8_0, the sign bit flipped) and corr
 // is -offset * sum(x) (levels that multiply signed values leave corr out for q8_0).
+// Lanes<G>: the linear's view of G groups of 8 rows in one register (G = 1 on every level; G = 2 where
+// LINNET_WIDE_GROUPS), so one kernel body serves both widths. Loads take the groups' blocks at p and
+// p + stride.
+template <int G>
+struct Lanes;
 #if LINNET_AVX512 || LINNET_AVX2
 using F8 = __m256;
 using S8 = __m256i;
@@ -255,42 +260,47 @@ inline Q8 load_q4(const uint8_t* q) {  // 4 chunks of nibbles: low ones weights 
 }
 #if LINNET_AVX512
 // Sixteen rows at once, two groups of 8 side by side in a 512-bit register (lanes 0-7 the first
-// group's rows, 8-15 the second's): each lane computes what F8's does, with half the instructions.
-#define LINNET_WIDE_GROUPS 1  // Fw, Sw, Qw below exist on this level
-using Fw = __m512;
+// group's rows, 8-15 the second's): each lane computes what Lanes<1>'s does, with half the instructions.
+#define LINNET_WIDE_GROUPS 1  // Lanes<2> exists on this level
 using Sw = __m512i;
 struct Qw { __m512i c[8]; };
-inline Fw fw_zero() { return _mm512_setzero_ps(); }
-inline Fw fw_set1(float v) { return _mm512_set1_ps(v); }
-inline Fw fw_mul(Fw a, Fw b) { return _mm512_mul_ps(a, b); }
-inline Fw fw_fma(Fw a, Fw b, Fw c) { return _mm512_fmadd_ps(a, b, c); }
-inline Fw fw_halves(const uint8_t* p0, const uint8_t* p1) {
-  const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)p0)),
-                                            _mm_loadu_si128((const __m128i*)p1), 1);
-  return _mm512_cvtph_ps(h);
-}
-inline Fw fw_from(Sw v) { return _mm512_cvtepi32_ps(v); }
-inline void fw_store(float* p, Fw v, int64_t n) {  // the first n lanes
-  _mm512_mask_storeu_ps(p, n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1), v);
-}
 inline __m512i join(const uint8_t* p0, const uint8_t* p1) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p0)),
                             _mm256_loadu_si256((const __m256i*)p1), 1);
 }
-inline Qw load_q4(const uint8_t* q0, const uint8_t* q1) {
-  Qw w;
-  for (int c = 0; c < 4; ++c) {
-    const __m512i packed = join(q0 + 32 * c, q1 + 32 * c);
-    w.c[c] = _mm512_and_si512(packed, _mm512_set1_epi8(0x0F));
-    w.c[c + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F));
+template <>
+struct Lanes<2> {
+  using F = __m512;
+  using S = Sw;
+  using Q = Qw;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F from(S v) { return _mm512_cvtepi32_ps(v); }
+  static void store(float* p, F v, int64_t n) {  // the first n lanes
+    _mm512_mask_storeu_ps(p, n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1), v);
   }
-  return w;
-}
-inline Qw load_q8(const uint8_t* q0, const uint8_t* q1) {
-  Qw w;
-  for (int c = 0; c < 8; ++c) w.c[c] = join(q0 + 32 * c, q1 + 32 * c);
-  return w;
-}
+  static F halves(const uint8_t* p, int64_t stride) {
+    const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)p)),
+                                              _mm_loadu_si128((const __m128i*)(p + stride)), 1);
+    return _mm512_cvtph_ps(h);
+  }
+  static Q quants4(const uint8_t* p, int64_t stride) {
+    Q w;
+    for (int c = 0; c < 4; ++c) {
+      const __m512i packed = join(p + 32 * c, p + stride + 32 * c);
+      w.c[c] = _mm512_and_si512(packed, _mm512_set1_epi8(0x0F));
+      w.c[c + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F));
+    }
+    return w;
+  }
+  static Q quants8(const uint8_t* p, int64_t stride) {
+    Q w;
+    for (int c = 0; c < 8; ++c) w.c[c] = join(p + 32 * c, p + stride + 32 * c);
+    return w;
+  }
+};
 template <bool Q4>
 inline Sw sums(const Qw& w, const int8_t* x, int32_t corr) {
   const int32_t* x4 = (const int32_t*)x;
@@ -421,6 +431,22 @@ inline S8 sums(const Q8& w, const int8_t* x, int32_t corr) {
   return s;
 }
 #endif
+
+template <>
+struct Lanes<1> {  // one group: a register's lanes are its 8 rows
+  using F = F8;
+  using S = S8;
+  using Q = Q8;
+  static F zero() { return f8_zero(); }
+  static F set1(float v) { return f8_set1(v); }
+  static F mul(F a, F b) { return f8_mul(a, b); }
+  static F fma(F a, F b, F c) { return f8_fma(a, b, c); }
+  static F from(S v) { return f8_from(v); }
+  static void store(float* p, F v, int64_t n) { f8_store(p, v, n); }
+  static F halves(const uint8_t* p, int64_t) { return f8_halves(p); }
+  static Q quants4(const uint8_t* p, int64_t) { return load_q4(p); }
+  static Q quants8(const uint8_t* p, int64_t) { return load_q8(p); }
+};
 
 // The level this file was compiled for, as build.py names it (checked at load against the one asked for).
 inline const char* level_name() {
