@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ...dtypes import FORMATS
 from ...quant import BLOCK
 from . import extension
-from .build import QUANT_CODES
+from .build import QUANT_CODES, cpu_features
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,7 +145,7 @@ class PackedLinear(CpuLinear):
 
 class DecodeLinear(CpuLinear):
     """A bfloat16 weight kept as mapped (no copy): Linnet's own kernel for decode's few rows,
-    F.linear for prefill."""
+    F.linear for prefill (oneDNN's GEMM, on AMX where the CPU has it)."""
 
     def __init__(self, weight: torch.Tensor, handle: int):
         super().__init__(weight, handle)
@@ -174,10 +174,10 @@ class RowLinear(DecodeLinear):
 
 
 class PackedFloatLinear(CpuLinear):
-    """A float16, float32 or bfloat16 (no bf16 dot product in the ISA) weight repacked once in blocks of
-    4 rows interleaved (a copy in 2 MiB pages, the mapped original released): decode loads each 16 of x
-    once for 8 rows (two blocks), a GEMV 16% faster than the row-at-a-time one for float16 at Qwen3-4B's
-    shapes; a prompt's register tile reads one block as one stream."""
+    """A float16, float32 or bfloat16 weight repacked once in blocks of 4 rows interleaved (a copy in
+    2 MiB pages, the mapped original released): decode loads each 16 of x once for a block's rows, a GEMV
+    16% faster than the row-at-a-time one for float16 at Qwen3-4B's shapes (15% for bfloat16 by the
+    pair dot product); a prompt's register tile reads one block as one stream."""
 
     def __init__(self, weight: torch.Tensor, handle: int):
         super().__init__(weight, handle)
@@ -228,12 +228,15 @@ class QuantTable:
 
 
 def linear_kernel(dtype: torch.dtype) -> type[CpuLinear] | None:
-    """The kernel class for linear weights of `dtype` on this CPU: Linnet's own (bf16 GEMV where the
-    ISA multiplies bf16; float16, float32 and other bf16 weights repacked for its GEMVs and tiles)
-    where they build and run, else oneDNN's packed weights where they run, else none (F.linear)."""
+    """The kernel class for linear weights of `dtype` on this CPU: Linnet's own (float16, float32 and
+    bf16 weights repacked for its GEMVs and tiles; bf16 mapped as is for its row GEMV and oneDNN's GEMM
+    where the CPU has AMX, or a bf16 dot that spans one row only) where they build and run, else
+    oneDNN's packed weights where they run, else none (F.linear)."""
     ext = extension.extension()
     if ext is not None:
-        if dtype == torch.bfloat16 and ext.bf16_dot():  # mapped as is: the ISA's bf16 dot and oneDNN's GEMM
+        # AMX runs oneDNN's bf16 prompts several times as fast as the packed layout's pair-dot tiles
+        # (0.92x oneDNN's GEMM on a Zen 5, whose decode they run 1.15x as fast), so there bf16 stays mapped
+        if dtype == torch.bfloat16 and ext.bf16_dot() and (not ext.packed_bf16_dot() or "amx_bf16" in cpu_features()):
             return DecodeLinear
         if dtype in (torch.float16, torch.float32, torch.bfloat16):  # bf16 widened, as float16
             return PackedFloatLinear

@@ -40,6 +40,8 @@ int64_t activate(int64_t session);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("level", &linnet::level_name, "the ISA level this build was compiled for");
   m.def("bf16_dot", [] { return linnet::kBf16Dot; }, "whether this level multiplies bfloat16 pairs natively");
+  m.def("packed_bf16_dot", [] { return linnet::kPackedBf16Dot; },
+        "whether the packed bfloat16 linear multiplies pairs natively (else it widens, as float16)");
   m.def("gemv_bf16", &gemv_bf16, "bf16 x [M, K] @ w [N, K].T, 8 rows a pass");
   m.def("gemv_f16", &gemv_f16, "f16 x [M, K] @ w [N, K].T, float32 inside, 8 rows a pass");
   m.def("gemm_f16", &gemm_f16, "f16 x [..., K] @ w [N, K].T, register tiles widening w, float32 inside");

@@ -248,9 +248,9 @@ torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w) {
   return gemm_tiles<at::BFloat16>(x, w, "gemm_bf16");
 }
 
-// float16 and float32 weights (and bfloat16 where the ISA has no bf16 dot product: 59.5 against 56.7
-// tok/s for the row layout's GEMV at 191M on an AVX2 EPYC) repacked once at load for the kernels
-// below: w [N, K] -> [2 ceil(N / 8), K / 16, 4, 16], blocks of 4 rows interleaved 16 weights at a
+// float16, float32 and bfloat16 weights (bfloat16 where the ISA has no bf16 dot product: 59.5 against
+// 56.7 tok/s for the row layout's GEMV at 191M on an AVX2 EPYC; or one that spans two rows, pair_linear,
+// and no AMX, linears.py) repacked once at load for the kernels below: w [N, K] -> [2 ceil(N / 8), K / 16, 4, 16], blocks of 4 rows interleaved 16 weights at a
 // time (rows past N are zeros). Decode loads (widens) each 16 of x once for a block's 4 rows or a
 // pair's 8 (kDecodeBlocks), where the row-at-a-time GEMV above does so once per row: +16% for float16
 // at Qwen3-4B's shapes on a Zen 3 (bench/half_gemv.py --shapes 4b), a plain read's speed. A prompt's
@@ -271,6 +271,14 @@ constexpr int64_t PAIR = 2;  // the block count is even, so a decode pass may ta
 template <typename W>
 constexpr int kDecodeBlocks = std::is_same_v<W, float> && kRegs == 32 ? PAIR : 1;
 
+// The chunk kPrefetchBytes past `chunk` (a block's 4 rows x 16 weights) into L2, for a pass that streams
+// the blocks from memory: without it a 5-token pass over the 4B shape's float16 weights took 1.9-2.1x a
+// one-token pass on a Zen 5, with it 1.16x (the register tiles' FMAs keep too few loads in flight).
+template <typename W>
+inline void prefetch_chunk(const W* chunk) {
+  for (int64_t o = 0; o < CHUNK * ROWS * (int64_t)sizeof(W); o += 64) prefetch_l2((const char*)chunk + kPrefetchBytes + o);
+}
+
 // M token rows x [M, K] (as the weights: float16 or float32) against passes [p0, p1) of B blocks: y [M, N].
 template <typename W, int M, int B>
 void packed_blocks(const W* x, const W* w, int64_t K, int64_t N, int64_t p0, int64_t p1, W* y) {
@@ -281,9 +289,7 @@ void packed_blocks(const W* x, const W* w, int64_t K, int64_t N, int64_t p0, int
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) acc[m][r] = zero();
     for (int64_t k = 0; k < K; k += CHUNK) {
-      if constexpr (B == 1)
-        for (int64_t o = 0; o < CHUNK * ROWS * (int64_t)sizeof(W); o += 64)
-          prefetch_l2((const char*)(first + k * ROWS) + kPrefetchBytes + o);
+      if constexpr (B == 1) prefetch_chunk<W>(first + k * ROWS);
       for (int64_t part = 0; part < CHUNK; part += kW) {
         Vf xv[M];
         for (int m = 0; m < M; ++m) xv[m] = load(x + m * K + k + part);
@@ -307,7 +313,7 @@ void packed_blocks(const W* x, const W* w, int64_t K, int64_t N, int64_t p0, int
 // GEMV's order, so a draft's check computes what plain decode does.
 template <typename W, typename X, int RM>
 void packed_tile(const X* x, const W* block, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t k0, int64_t k1,
-                 Vf* park, int64_t stride, W* y) {
+                 Vf* park, int64_t stride, W* y, bool stream) {
   Vf acc[RM][ROWS];
   for (int i = 0; i < RM; ++i)
     for (int r = 0; r < ROWS; ++r) acc[i][r] = k0 == 0 ? zero() : park[i * stride + r];
@@ -315,6 +321,7 @@ void packed_tile(const X* x, const W* block, int64_t K, int64_t N, int64_t m0, i
   // together and the 16-register build then re-read x from memory at every FMA (f16 prompts ~30% slower).
   for (int64_t k = k0; k < k1; k += kW) {
     const W* wk = block + (k & ~(CHUNK - 1)) * ROWS + (k & (CHUNK - 1));
+    if (stream && (k & (CHUNK - 1)) == 0) prefetch_chunk<W>(wk);
     Vf xv[RM];  // RM token vectors held, one weight vector at a time: RM + 1 + 4 RM registers
     for (int i = 0; i < RM; ++i) xv[i] = load(x + (m0 + i) * K + k);
     for (int r = 0; r < ROWS; ++r) {
@@ -383,18 +390,77 @@ void packed_prompt(const X* xp, const W* wp, int64_t M, int64_t K, int64_t N, in
           for (int64_t m0 = g0; m0 < std::min(M, g0 + group); m0 += PACKED_TILE_M)
             for (int64_t b = b0; b < b1 && b * ROWS < N; ++b) {
               const W* block = wp + b * K * ROWS;
+              const bool stream = m0 == 0;  // the first tile reads the task's blocks from memory
               Vf* pk = sliced ? park.data() + ((m0 - g0) * PACKED_BLOCKS_PER_TASK + (b - b0)) * ROWS : nullptr;
               switch (std::min(PACKED_TILE_M, M - m0)) {
-                case 1: packed_tile<W, X, 1>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp); break;
-                case 2: packed_tile<W, X, 2>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp); break;
-                case 3: packed_tile<W, X, 3>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp); break;
-                case 4: packed_tile<W, X, 4>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp); break;
-                case 5: packed_tile<W, X, 5>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp); break;
-                default: packed_tile<W, X, 6>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp);
+                case 1: packed_tile<W, X, 1>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp, stream); break;
+                case 2: packed_tile<W, X, 2>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp, stream); break;
+                case 3: packed_tile<W, X, 3>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp, stream); break;
+                case 4: packed_tile<W, X, 4>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp, stream); break;
+                case 5: packed_tile<W, X, 5>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp, stream); break;
+                default: packed_tile<W, X, 6>(xp, block, K, N, m0, b * ROWS, k0, k1, pk, stride, yp, stream);
               }
             }
         }
     }
+  });
+}
+
+// bfloat16 blocks by the pair dot product (vec.h's dot_two_rows), where the ISA has one that spans two
+// rows: a tile of RM token rows x B blocks over all of K, one accumulator per token row and pair of
+// weight rows, so a row's sums do not depend on the rows beside it. Decode, a speculative check and a
+// batch's few rows take one block a pass (one stream, prefetched by the first tile); prompts take two
+// (4 weight vectors serve 6 token rows each). In turns in one process on a Zen 5 (4B shapes, 2 layers,
+// bench/half_gemv.py's layout), against the row layout's GEMV: 1 token row 8.7 vs 10.0 ms, 5 rows 10.7
+// vs 13.4, 8 rows 11.2 vs 15.0; a 128-token prompt 727-757 GFLOP/s, oneDNN's bf16 GEMM 760-830.
+constexpr int64_t PAIR_STREAM_ROWS = 12, PAIR_PROMPT_ROWS = 6;  // 24 accumulators of 32 registers
+
+template <int B, int RM>
+void pair_tile(const uint16_t* x, const uint16_t* block, int64_t K, int64_t N, int64_t m0, int64_t n0, uint16_t* y,
+               bool stream) {
+  constexpr int H = 2 * B;  // pairs of weight rows
+  Vf acc[RM][H];
+  for (int i = 0; i < RM; ++i)
+    for (int h = 0; h < H; ++h) acc[i][h] = zero();
+  for (int64_t k = 0; k < K; k += CHUNK) {
+    const uint16_t* wk = block + k * ROWS;
+    if (stream)
+      for (int b = 0; b < B; ++b) prefetch_chunk<uint16_t>(wk + b * K * ROWS);
+    for (int i = 0; i < RM; ++i) {
+      const Bf16Twice xv = x16_twice(x + (m0 + i) * K + k);
+      for (int h = 0; h < H; ++h) acc[i][h] = dot_two_rows(acc[i][h], wk + h / 2 * K * ROWS + h % 2 * 2 * CHUNK, xv);
+    }
+  }
+  for (int i = 0; i < RM; ++i)
+    for (int h = 0; h < H; ++h) {
+      const int64_t n = n0 + 2 * h;
+      if (n < N) y[(m0 + i) * N + n] = c10::BFloat16(sum_row_a(acc[i][h])).x;
+      if (n + 1 < N) y[(m0 + i) * N + n + 1] = c10::BFloat16(sum_row_b(acc[i][h])).x;
+    }
+}
+
+// pair_tile<B, rm> for a run-time rm in [1, RM]
+template <int B, int RM>
+void pair_tile_of(int64_t rm, const uint16_t* x, const uint16_t* block, int64_t K, int64_t N, int64_t m0, int64_t n0,
+                  uint16_t* y, bool stream) {
+  if constexpr (RM > 1)
+    if (rm < RM) return pair_tile_of<B, RM - 1>(rm, x, block, K, N, m0, n0, y, stream);
+  pair_tile<B, RM>(x, block, K, N, m0, n0, y, stream);
+}
+
+void pair_linear(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t K, int64_t N, int64_t blocks, uint16_t* yp) {
+  if (M <= PAIR_STREAM_ROWS) {
+    streaming_for(blocks, ROWS_PER_TASK / ROWS, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1 && b * ROWS < N; ++b)
+        pair_tile_of<1, PAIR_STREAM_ROWS>(M, xp, wp + b * K * ROWS, K, N, 0, b * ROWS, yp, true);
+    });
+    return;
+  }
+  dynamic_for(blocks / PAIR, PACKED_BLOCKS_PER_TASK / PAIR, [&](int64_t p0, int64_t p1) {
+    for (int64_t m0 = 0; m0 < M; m0 += PAIR_PROMPT_ROWS)  // the task's blocks stay in L2 for the later tiles
+      for (int64_t p = p0; p < p1 && p * PAIR * ROWS < N; ++p)
+        pair_tile_of<PAIR, PAIR_PROMPT_ROWS>(std::min(PAIR_PROMPT_ROWS, M - m0), xp, wp + p * PAIR * K * ROWS, K, N,
+                                             m0, p * PAIR * ROWS, yp, m0 == 0);
   });
 }
 
@@ -411,6 +477,10 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   W* yp = y.data_ptr<W>();
   const auto xs = x.reshape({M, K}).contiguous();
   const W* xp = xs.data_ptr<W>();
+  if constexpr (std::is_same_v<W, at::BFloat16> && kPackedBf16Dot) {
+    pair_linear((const uint16_t*)xp, (const uint16_t*)wp, M, K, N, blocks, (uint16_t*)yp);
+    return y.view(sizes);
+  }
   if (M <= 2) {  // decode: each thread streams its share of the blocks once
     streaming_for(blocks / B, ROWS_PER_TASK / (ROWS * B), [&](int64_t p0, int64_t p1) {
       if (M == 1) packed_blocks<W, 1, B>(xp, wp, K, N, p0, p1, yp);

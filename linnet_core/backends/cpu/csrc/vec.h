@@ -222,6 +222,30 @@ inline Vf dot_bf16(Vf acc, const uint16_t* w, const uint16_t* x) {
 #endif
 
 // ---------------------------------------------------------------------------------------------
+// bfloat16 weights packed in blocks of 4 rows x 16 (gemv.cpp's repack_rows8_float) by the pair dot
+// product, where one instruction spans two rows' 16: AVX-512 BF16's 32 lanes of bf16 take 16 of x,
+// twice, against 16 of row a and 16 of row b (float32 lanes 0-7 row a's pairs, 8-15 row b's).
+#if LINNET_AVX512
+constexpr bool kPackedBf16Dot = true;
+using Bf16Twice = __m512bh;
+inline Bf16Twice x16_twice(const uint16_t* x) {
+  return (__m512bh)_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)x));
+}
+inline Vf dot_two_rows(Vf acc, const uint16_t* w, Bf16Twice x) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), x);
+}
+inline float sum_row_a(Vf acc) { return _mm512_mask_reduce_add_ps(0x00FF, acc); }
+inline float sum_row_b(Vf acc) { return _mm512_mask_reduce_add_ps(0xFF00, acc); }
+#else
+constexpr bool kPackedBf16Dot = false;  // NEON's bfdot spans 8 bf16, one row's half chunk: the row GEMV there
+using Bf16Twice = Vf;  // declared only, for code discarded by `if constexpr (kPackedBf16Dot)`
+Bf16Twice x16_twice(const uint16_t* x);
+Vf dot_two_rows(Vf acc, const uint16_t* w, Bf16Twice x);
+float sum_row_a(Vf acc);
+float sum_row_b(Vf acc);
+#endif
+
+// ---------------------------------------------------------------------------------------------
 // Eight weight rows at once, for the block-quantized linear (quant_linear.cpp): F8 holds a float32
 // lane per row, S8 an int32 lane per row, Q8 the 32-byte chunks of a repacked block (chunk c: bytes
 // [4c, 4c + 4) of each row's quants, rows in order). A block's sums over its 32 weights are exact
