@@ -411,9 +411,12 @@ void packed_prompt(const X* xp, const W* wp, int64_t M, int64_t K, int64_t N, in
 // weight rows, so a row's sums do not depend on the rows beside it. Decode, a speculative check and a
 // batch's few rows take one block a pass (one stream, prefetched by the first tile); prompts take two
 // (4 weight vectors serve 6 token rows each). In turns in one process on a Zen 5 (4B shapes, 2 layers,
-// bench/half_gemv.py's layout), against the row layout's GEMV: 1 token row 8.7 vs 10.0 ms, 5 rows 10.7
-// vs 13.4, 8 rows 11.2 vs 15.0; a 128-token prompt 727-757 GFLOP/s, oneDNN's bf16 GEMM 760-830.
+// both in 2 MiB pages), against the row layout's GEMV: 1 token row 8.43 vs 8.56 ms, 5 rows 10.47 vs
+// 11.95, 8 rows 11.25 vs 12.06; a 128-token prompt 781-787 GFLOP/s, oneDNN's bf16 GEMM 829-839.
 constexpr int64_t PAIR_STREAM_ROWS = 12, PAIR_PROMPT_ROWS = 6;  // 24 accumulators of 32 registers
+// Pairs of blocks a prompt task holds in L2 while its token tiles pass: 16 weight rows (up to 311 KiB
+// at K = 9728); 48 rows ran the 4B shape's 128-token prompt at 748-751 GFLOP/s, 16 at 781-787.
+constexpr int64_t PAIR_PROMPT_TASK = 2;
 
 template <int B, int RM>
 void pair_tile(const uint16_t* x, const uint16_t* block, int64_t K, int64_t N, int64_t m0, int64_t n0, uint16_t* y,
@@ -456,7 +459,7 @@ void pair_linear(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t K, i
     });
     return;
   }
-  dynamic_for(blocks / PAIR, PACKED_BLOCKS_PER_TASK / PAIR, [&](int64_t p0, int64_t p1) {
+  dynamic_for(blocks / PAIR, PAIR_PROMPT_TASK, [&](int64_t p0, int64_t p1) {
     for (int64_t m0 = 0; m0 < M; m0 += PAIR_PROMPT_ROWS)  // the task's blocks stay in L2 for the later tiles
       for (int64_t p = p0; p < p1 && p * PAIR * ROWS < N; ++p)
         pair_tile_of<PAIR, PAIR_PROMPT_ROWS>(std::min(PAIR_PROMPT_ROWS, M - m0), xp, wp + p * PAIR * K * ROWS, K, N,
