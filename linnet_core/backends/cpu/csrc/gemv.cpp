@@ -275,8 +275,8 @@ constexpr int kDecodeBlocks = std::is_same_v<W, float> && kRegs == 32 ? PAIR : 1
 // the blocks from memory: without it a 5-token pass over the 4B shape's float16 weights took 1.9-2.1x a
 // one-token pass on a Zen 5, with it 1.16x (the register tiles' FMAs keep too few loads in flight).
 template <typename W>
-inline void prefetch_chunk(const W* chunk) {
-  for (int64_t o = 0; o < CHUNK * ROWS * (int64_t)sizeof(W); o += 64) prefetch_l2((const char*)chunk + kPrefetchBytes + o);
+inline void prefetch_chunk(const W* chunk, int64_t ahead = kPrefetchBytes) {
+  for (int64_t o = 0; o < CHUNK * ROWS * (int64_t)sizeof(W); o += 64) prefetch_l2((const char*)chunk + ahead + o);
 }
 
 // M token rows x [M, K] (as the weights: float16 or float32) against passes [p0, p1) of B blocks: y [M, N].
@@ -417,6 +417,9 @@ constexpr int64_t PAIR_STREAM_ROWS = 12, PAIR_PROMPT_ROWS = 6;  // 24 accumulato
 // Pairs of blocks a prompt task holds in L2 while its token tiles pass: 16 weight rows (up to 311 KiB
 // at K = 9728); 48 rows ran the 4B shape's 128-token prompt at 748-751 GFLOP/s, 16 at 781-787.
 constexpr int64_t PAIR_PROMPT_TASK = 2;
+// How far ahead a pass of several token rows prefetches: in turns on a Zen 5 (4B shapes, two runs), 5
+// rows 1.23-1.24x a one-row pass at 8 KiB, 1.16-1.17x at 4 KiB; 8 rows 1.31-1.34x and 1.22-1.25x.
+constexpr int64_t PAIR_PREFETCH_BYTES = 4096;
 
 template <int B, int RM>
 void pair_tile(const uint16_t* x, const uint16_t* block, int64_t K, int64_t N, int64_t m0, int64_t n0, uint16_t* y,
@@ -428,7 +431,7 @@ void pair_tile(const uint16_t* x, const uint16_t* block, int64_t K, int64_t N, i
   for (int64_t k = 0; k < K; k += CHUNK) {
     const uint16_t* wk = block + k * ROWS;
     if (stream)
-      for (int b = 0; b < B; ++b) prefetch_chunk<uint16_t>(wk + b * K * ROWS);
+      for (int b = 0; b < B; ++b) prefetch_chunk<uint16_t>(wk + b * K * ROWS, PAIR_PREFETCH_BYTES);
     for (int i = 0; i < RM; ++i) {
       const Bf16Twice xv = x16_twice(x + (m0 + i) * K + k);
       for (int h = 0; h < H; ++h) acc[i][h] = dot_two_rows(acc[i][h], wk + h / 2 * K * ROWS + h % 2 * 2 * CHUNK, xv);
