@@ -56,9 +56,7 @@ def test_each_dtype_takes_linnets_kernel(ext):
 
     # bf16 stays mapped where the ISA's bf16 dot spans one row or the CPU has AMX (oneDNN's prompts);
     # elsewhere it is repacked: pair dots where they span two rows, else widened as float16
-    from linnet_core.backends.cpu.build import cpu_features
-
-    mapped = ext.bf16_dot() and (not ext.packed_bf16_dot() or "amx_bf16" in cpu_features())
+    mapped = ext.bf16_dot() and (not ext.packed_bf16_dot() or "amx_bf16" in build.cpu_features())
     assert linear_kernel(torch.bfloat16) is (DecodeLinear if mapped else PackedFloatLinear)
     assert ext.packed_bf16_dot() == (ext.level() == "avx512")
     assert linear_kernel(torch.float16) is PackedFloatLinear and linear_kernel(torch.float32) is PackedFloatLinear

@@ -38,8 +38,8 @@ thread reads a few long streams that the hardware prefetcher follows. The kernel
   load in blocks of 4 rows interleaved, decode's GEMV loading x once for a block's rows (~16% faster
   than the row kernel at Qwen3-4B's shapes), and the prompt tiles one block, one stream, each.
   bfloat16 goes by AVX-512 BF16's pair dot, one instruction for 16 of x against two rows
-  (`packed_bf16_dot()`; 15% faster decode than the row GEMV, a 5-row speculative check 1.2x a
-  one-row step, prompts 0.92x oneDNN's GEMM on a Zen 5), widened as float16 where the ISA has no
+  (`packed_bf16_dot()`; on a Zen 5 one-row decode as fast as the row GEMV, five rows 1.16x a
+  one-row pass where the row GEMV took 1.40x, prompts 0.90-0.94x oneDNN's GEMM), widened as float16 where the ISA has no
   bf16 dot; it stays in the row layout where the dot spans one row (ARM) or the CPU has AMX
   (oneDNN's bf16 prompts run on it). A head tied to the token table keeps the row layout and
   `row_linear`.

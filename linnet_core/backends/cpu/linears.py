@@ -176,8 +176,9 @@ class RowLinear(DecodeLinear):
 class PackedFloatLinear(CpuLinear):
     """A float16, float32 or bfloat16 weight repacked once in blocks of 4 rows interleaved (a copy in
     2 MiB pages, the mapped original released): decode loads each 16 of x once for a block's rows, a GEMV
-    16% faster than the row-at-a-time one for float16 at Qwen3-4B's shapes (15% for bfloat16 by the
-    pair dot product); a prompt's register tile reads one block as one stream."""
+    16% faster than the row-at-a-time one for float16 at Qwen3-4B's shapes (for bfloat16 by the pair
+    dot product, as fast for one row and 1.2x for five); a prompt's register tile reads one block as
+    one stream."""
 
     def __init__(self, weight: torch.Tensor, handle: int):
         super().__init__(weight, handle)
@@ -234,8 +235,8 @@ def linear_kernel(dtype: torch.dtype) -> type[CpuLinear] | None:
     oneDNN's packed weights where they run, else none (F.linear)."""
     ext = extension.extension()
     if ext is not None:
-        # AMX runs oneDNN's bf16 prompts several times as fast as the packed layout's pair-dot tiles
-        # (0.92x oneDNN's GEMM on a Zen 5, whose decode they run 1.15x as fast), so there bf16 stays mapped
+        # the packed pair-dot tiles run prompts at 0.90-0.94x oneDNN's AVX-512 bf16 GEMM (Zen 5) for faster
+        # multi-row passes; where the CPU has AMX oneDNN runs prompts on it, so there bf16 stays mapped
         if dtype == torch.bfloat16 and ext.bf16_dot() and (not ext.packed_bf16_dot() or "amx_bf16" in cpu_features()):
             return DecodeLinear
         if dtype in (torch.float16, torch.float32, torch.bfloat16):  # bf16 widened, as float16

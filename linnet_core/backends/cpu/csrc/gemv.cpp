@@ -249,12 +249,12 @@ torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w) {
 }
 
 // float16, float32 and bfloat16 weights (bfloat16 where the ISA has no bf16 dot product: 59.5 against
-// 56.7 tok/s for the row layout's GEMV at 191M on an AVX2 EPYC; or one that spans two rows, pair_linear,
-// and no AMX, linears.py) repacked once at load for the kernels below: w [N, K] -> [2 ceil(N / 8), K / 16, 4, 16], blocks of 4 rows interleaved 16 weights at a
-// time (rows past N are zeros). Decode loads (widens) each 16 of x once for a block's 4 rows or a
-// pair's 8 (kDecodeBlocks), where the row-at-a-time GEMV above does so once per row: +16% for float16
-// at Qwen3-4B's shapes on a Zen 3 (bench/half_gemv.py --shapes 4b), a plain read's speed. A prompt's
-// register tile takes one block, a contiguous stream (blocks of 8, whose tiles read every other 128
+// 56.7 tok/s for the row layout's GEMV at 191M on an AVX2 EPYC; or one that spans two rows and no AMX:
+// pair_linear, linears.py) repacked once at load for the kernels below: w [N, K] ->
+// [2 ceil(N / 8), K / 16, 4, 16], blocks of 4 rows interleaved 16 weights at a time (rows past N are
+// zeros). Decode loads (widens) each 16 of x once for a block's 4 rows or a pair's 8 (kDecodeBlocks),
+// where the row-at-a-time GEMV above does so once per row: +16% for float16 at Qwen3-4B's shapes on a
+// Zen 3 (bench/half_gemv.py --shapes 4b), a plain read's speed. A prompt's register tile takes one block, a contiguous stream (blocks of 8, whose tiles read every other 128
 // bytes, ran them 10-15% slower on a Zen 3). Many rows of the unpacked layout at once (as tinyBLAS)
 // ran decode 12-50% slower.
 torch::Tensor huge_page_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
@@ -454,7 +454,8 @@ void pair_tile_of(int64_t rm, const uint16_t* x, const uint16_t* block, int64_t 
   pair_tile<B, RM>(x, block, K, N, m0, n0, y, stream);
 }
 
-void pair_linear(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t K, int64_t N, int64_t blocks, uint16_t* yp) {
+void pair_linear(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t K, int64_t N, int64_t blocks,
+                 uint16_t* yp) {
   if (M <= PAIR_STREAM_ROWS) {
     streaming_for(blocks, ROWS_PER_TASK / ROWS, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1 && b * ROWS < N; ++b)
