@@ -454,8 +454,12 @@ void pair_tile_of(int64_t rm, const uint16_t* x, const uint16_t* block, int64_t 
   pair_tile<B, RM>(x, block, K, N, m0, n0, y, stream);
 }
 
-void pair_linear(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t K, int64_t N, int64_t blocks,
-                 uint16_t* yp) {
+// A template, so that a level without the pair dot (vec.h only declares its helpers there) never builds it.
+template <typename W>
+void pair_linear(const W* x, const W* w, int64_t M, int64_t K, int64_t N, int64_t blocks, W* y) {
+  const auto* xp = reinterpret_cast<const uint16_t*>(x);
+  const auto* wp = reinterpret_cast<const uint16_t*>(w);
+  auto* yp = reinterpret_cast<uint16_t*>(y);
   if (M <= PAIR_STREAM_ROWS) {
     streaming_for(blocks, ROWS_PER_TASK / ROWS, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1 && b * ROWS < N; ++b)
@@ -485,7 +489,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   const auto xs = x.reshape({M, K}).contiguous();
   const W* xp = xs.data_ptr<W>();
   if constexpr (std::is_same_v<W, at::BFloat16> && kPackedBf16Dot) {
-    pair_linear((const uint16_t*)xp, (const uint16_t*)wp, M, K, N, blocks, (uint16_t*)yp);
+    pair_linear<W>(xp, wp, M, K, N, blocks, yp);
     return y.view(sizes);
   }
   if (M <= 2) {  // decode: each thread streams its share of the blocks once
