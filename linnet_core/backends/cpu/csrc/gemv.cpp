@@ -254,8 +254,9 @@ torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w) {
 // [2 ceil(N / 8), K / 16, 4, 16], blocks of 4 rows interleaved 16 weights at a time (rows past N are
 // zeros). Decode loads (widens) each 16 of x once for a block's 4 rows or a pair's 8 (kDecodeBlocks),
 // where the row-at-a-time GEMV above does so once per row: +16% for float16 at Qwen3-4B's shapes on a
-// Zen 3 (bench/half_gemv.py --shapes 4b), a plain read's speed. A prompt's register tile takes one block, a contiguous stream (blocks of 8, whose tiles read every other 128
-// bytes, ran them 10-15% slower on a Zen 3). Many rows of the unpacked layout at once (as tinyBLAS)
+// Zen 3 (bench/half_gemv.py --shapes 4b), a plain read's speed. A prompt's register tile takes one block,
+// a contiguous stream (blocks of 8, whose tiles read every other 128 bytes, ran them 10-15% slower on a
+// Zen 3). Many rows of the unpacked layout at once (as tinyBLAS)
 // ran decode 12-50% slower.
 torch::Tensor huge_page_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
 
