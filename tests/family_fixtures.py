@@ -47,6 +47,13 @@ CASES = [
          legacy=True, tokenizer="qwen2"),
     Case("phi3-fused-window", "Phi3Config", dict(num_attention_heads=4, num_key_value_heads=4, sliding_window=8,
                                                  pad_token_id=0)),
+    Case("granite-multipliers", "GraniteConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                                      embedding_multiplier=4.0, residual_multiplier=0.5,
+                                                      attention_multiplier=0.3, logits_scaling=2.0)),
+    Case("olmo2-post-norms", "Olmo2Config", dict(num_attention_heads=4, num_key_value_heads=2, bos_token_id=1,
+                                                 eos_token_id=2)),
+    Case("smollm3-nope", "SmolLM3Config", dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+                                              pad_token_id=0, bos_token_id=1, eos_token_id=2), tokenizer="llama3"),
     Case("phi3-partial-rotary-gqa", "Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
                                                        rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                                             partial_rotary_factor=0.5))),
@@ -70,7 +77,8 @@ needs_kernels = _needs_kernels()  # q8_0 / q4_0 on a CPU: AVX-512 with VNNI and 
 CPU_BACKENDS = ["torch", "inductor"] + ["onnxruntime"] * HAVE["onnxruntime"] + ["jax", "stablehlo"] * HAVE["jax"]
 HALF_DTYPES = [("torch", "float16"), ("torch", "bfloat16"), ("inductor", "bfloat16")] \
     + [("onnxruntime", "float16")] * HAVE["onnxruntime"] + [("jax", "bfloat16"), ("stablehlo", "bfloat16")] * HAVE["jax"]
-FAMILY_CASES = ["llama-gqa-untied", "mistral-window", "qwen2-bias-tied", "qwen3-headdim128", "phi3-fused-window"]
+FAMILY_CASES = ["llama-gqa-untied", "mistral-window", "qwen2-bias-tied", "qwen3-headdim128", "phi3-fused-window",
+                "granite-multipliers", "olmo2-post-norms", "smollm3-nope"]
 
 
 def to_legacy(cfg: dict) -> dict:

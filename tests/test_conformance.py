@@ -97,6 +97,8 @@ def _cases() -> list[OpCase]:
                                         ("sin", (*bt, 6), sin)], {}),
         OpCase("rope-full", "rope", [("x", (*bt, 3, 6), floats(B, T, 3, 6)), ("cos", (*bt, 6), cos),
                                      ("sin", (*bt, 6), sin)], {}),
+        OpCase("rope-skipped", "rope", [("x", (*bt, 3, 6), floats(B, T, 3, 6)), ("cos", (*bt, 6), cos),
+                                        ("sin", (*bt, 6), sin)], {"apply": False}),  # a NoPE layer
         OpCase("attention-gqa-window", "attention", attention_dense, {"scale": 0.4, "window": 3}),
         OpCase("attention-gqa", "attention", attention_dense, {"scale": 0.4, "window": None}),
         OpCase("attention-ragged-window", "attention", attention_ragged,
@@ -105,6 +107,7 @@ def _cases() -> list[OpCase]:
         OpCase("gelu", "gelu", [("x", (*bt, 7), floats(B, T, 7))], {"approximate": "none"}),
         OpCase("gelu-tanh", "gelu", [("x", (*bt, 7), floats(B, T, 7))], {"approximate": "tanh"}),
         OpCase("mul", "mul", [("a", (*bt, 7), floats(B, T, 7)), ("b", (*bt, 7), floats(B, T, 7))], {}),
+        OpCase("scale", "scale", [("x", (*bt, 7), floats(B, T, 7))], {"factor": 0.22}),
         OpCase("add", "add", [("a", (*bt, 7), floats(B, T, 7)), ("b", (*bt, 7), floats(B, T, 7))], {}),
         OpCase("last_token", "last_token", [("x", (*bt, 7), floats(B, T, 7))], {}),
         OpCase("last_token-ragged", "last_token", [("x", (1, "N", 7), floats(1, N, 7)),

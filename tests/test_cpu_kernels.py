@@ -440,10 +440,13 @@ def test_fused_step_kernels_compute_what_their_helpers_do(ext, dtype):
     for norms, window in (((q_norm, k_norm), 8), ((None, None), None)):
         want = selfcheck.generic("attention_block")(
             qkv, heads, kv_heads, D, *norms, 1e-6, cos, sin, pos, rows, rows[0], None, torch.zeros(0, dtype=torch.long),
-            None, None, None, *caches, 1, window, 0.17, unfused)
+            None, None, None, *caches, 1, window, 0.17, True, unfused)
         got = ext.attention_block(qkv, heads, kv_heads, *norms, 1e-6, cos, sin, pos, rows, *mine, 1, window or 0, 0.17)
         assert got.shape == (1, 3, heads * D) and torch.equal(got, want)
         assert torch.equal(caches[0], mine[0]) and torch.equal(caches[1], mine[1])
+    # A NoPE layer's block runs the kernel with cos 1 and sin 0, which must leave q and k as they are.
+    heads_x = qkv[..., :heads * D].reshape(1, 3, heads, D)
+    assert torch.equal(ext.rope(heads_x, torch.ones_like(cos), torch.zeros_like(sin)), heads_x)
 
 
 def test_the_attention_block_leaves_prompt_chunks_to_the_lines(ext):

@@ -111,6 +111,13 @@ def test_tensors_and_keys_read_back(case, unchecked, tokenized_checkpoints):
             assert "blk.0.attn_q_norm.weight" in g.tensors and "blk.0.attn_k_norm.weight" in g.tensors
         if arch == "qwen2":
             assert "blk.0.attn_q.bias" in g.tensors
+        if arch == "granite":  # the config's multipliers, under llama.cpp's keys
+            assert md["granite.embedding_scale"] == 4.0 and md["granite.residual_scale"] == 0.5
+            assert md["granite.attention.scale"] == pytest.approx(0.3) and md["granite.logit_scale"] == 2.0
+        if arch == "olmo2":  # norms after each branch only; q/k norms over the whole projection
+            assert "blk.0.attn_norm.weight" not in g.tensors and "blk.0.ffn_norm.weight" not in g.tensors
+            assert g.tensors["blk.0.post_ffw_norm.weight"].shape == (spec.hidden_size,)
+            assert g.tensors["blk.0.attn_q_norm.weight"].shape == (spec.num_heads * spec.head_dim,)
         if spec.rope.type == "llama3":
             factors = g.tensor("rope_freqs.weight")
             assert factors.shape == (spec.rotary_dim // 2,) and factors.max() == pytest.approx(spec.rope.factor)
@@ -127,6 +134,20 @@ def test_tensors_and_keys_read_back(case, unchecked, tokenized_checkpoints):
             assert style == "llama" and md["tokenizer.ggml.add_space_prefix"] is True
             assert md["tokenizer.ggml.token_type"][3] == 6  # <0x00> is a byte token
             assert md["tokenizer.ggml.bos_token_id"] == 1 and md["tokenizer.ggml.eos_token_id"] == 2
+
+
+def test_nope_layers_llama_cpp_cannot_place_are_refused(tmp_path):
+    """llama.cpp's smollm3 skips rope on every 4th layer whatever the file says: another pattern is
+    refused in one line, and nothing is written."""
+    from family_fixtures import CASES, TOKENIZED_VOCAB, make_checkpoint
+    from tokenizer_fixtures import write_tokenizer
+
+    case = next(c for c in CASES if c.id == "smollm3-nope")
+    src = make_checkpoint(case, tmp_path / "src", vocab_size=TOKENIZED_VOCAB, no_rope_layers=[1, 0, 1, 1])
+    write_tokenizer(src, case.tokenizer, TOKENIZED_VOCAB)
+    with pytest.raises(UnsupportedModel, match=r"leaves rope out of layers \[3\]; this model leaves it out of \[1\]"):
+        export_gguf(src, tmp_path / "out" / "m.gguf", "f32", check=False)
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
 
 
 def test_every_dtype_decodes_close_to_the_source(tokenized_checkpoints, tmp_path):

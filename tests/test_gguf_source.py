@@ -267,8 +267,11 @@ def test_ggufs_the_gguf_package_writes_compute_as_llama_cpp(qtype, exported, tmp
         assert spec.to_json() | {"dtype": None} == f32.to_json() | {"dtype": None}
         report = verify(path, "torch", "auto", steps=4, prompt="Hi")
         assert report.passed, (case, report.distance, report.tolerance)
-        # 4-bit: a random fixture's logits sit near ties, which int8 activations may break either way
-        assert report.tokens_match or qtype == "Q4_0", case
+        # A random fixture's logits sit near ties, which int8 activations may break either way: at 4 bits
+        # any step; at 8 bits a step where the logits agree as a whole (smollm3's 4th layer leaves a last
+        # step whose top two logits in llama.cpp differ by 0.04, 1% of their scale).
+        assert (report.tokens_match or qtype == "Q4_0"
+                or (qtype == "Q8_0" and report.distance <= report.tolerance / 2)), (case, repr(report))
 
 
 @needs_llama_cpp

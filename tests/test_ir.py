@@ -108,9 +108,13 @@ def test_the_eager_step_calls_each_fused_group_once_a_layer(case, checkpoints):
     graph = optimize(build_graph(load_spec(checkpoints[case])))
     ragged = emit(to_ragged(graph))
     loop = ragged[ragged.index("for i, w in enumerate(layers):"):]
+    # OLMo 2 norms q and k over the whole projection and norms after each branch, not before the next:
+    # neither pattern is a group's, so those lines stay as they are.
+    unfused = {"= attention_block(", "= add_rms_norm("} if case == "olmo2-post-norms" else set()
     for call in ("= attention_block(", "= silu_mul(", "= add_rms_norm("):
-        assert loop.count(call) == 1, call
-    assert ".split_with_sizes(" not in loop and "ragged_attention(" not in loop
+        assert loop.count(call) == (call not in unfused), call
+    assert ("ragged_attention(" in loop) == bool(unfused)
+    assert (".split_with_sizes(" in loop) == bool(unfused)  # the fused q/k/v split is the attention block's
     assert "= attention_block(" not in emit(graph).split("def step(")[1]
 
 

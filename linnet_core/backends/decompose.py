@@ -115,6 +115,11 @@ def attend(m: MathBuilder, q: Value, keys: Value, values: Value, bias: Value, sc
     return m.pv(m.to_act(m.softmax_last(scores)), values)
 
 
+def scale(m: MathBuilder, x: Value, factor: float) -> Value:
+    """x * factor with the product in float32, as PyTorch multiplies a 16-bit tensor by a Python float."""
+    return m.to_act(m.mul(m.to_f32(x), m.scalar(factor, "f32")))
+
+
 def silu(m: MathBuilder, x: Value) -> Value:
     return m.mul(x, m.sigmoid(x))
 

@@ -66,6 +66,11 @@ def rms_norm(x, weight, eps):
     return weight * x32.astype(x.dtype)
 
 
+def scale_by(x, factor):
+    """x * a config constant, the product in float32 (as PyTorch multiplies a 16-bit tensor by a float)."""
+    return (x.astype(jnp.float32) * factor).astype(x.dtype)
+
+
 def apply_rope(x, cos, sin):
     """Rotate-half rope on the first rot features of each head; x [B, T, heads, D]."""
     rot = cos.shape[-1]
@@ -117,6 +122,7 @@ TEMPLATES: dict[str, str] = {
     "silu": "{out} = jax.nn.silu({a})",
     "gelu": "{out} = jax.nn.gelu({a}, approximate=({approximate} == 'tanh'))",
     "mul": "{out} = {a} * {b}",
+    "scale": "{out} = scale_by({a}, {factor})",
     "add": "{out} = {a} + {b}",
     "last_token": "{out} = {a} if all_logits else jnp.take_along_axis({a}, last[:, None, None], axis=1)",
     "argmax": "{out} = jnp.argmax({a}[jnp.arange(B), last if all_logits else 0], axis=-1)",

@@ -402,11 +402,12 @@ LOWERINGS: dict[str, OnnxLowering] = {
     if len(n.outputs) > 1 else [x[0]],
     "reshape": _reshape,
     "rope": lambda L, n, x: [decompose.rope(L.b, *x, L.g.values[n.inputs[1]].shape[-1],
-                                            L.g.values[n.inputs[0]].shape[-1])],
+                                            L.g.values[n.inputs[0]].shape[-1]) if L.attr(n, "apply") else x[0]],
     "attention": _attention,
     "silu": lambda L, n, x: [decompose.silu(L.b, x[0])],
     "gelu": lambda L, n, x: [L.b.op("Gelu", x, approximate=n.attrs["approximate"])],
     "mul": lambda L, n, x: [L.b.op("Mul", x)],
+    "scale": lambda L, n, x: [decompose.scale(L.b, x[0], n.attrs["factor"])],
     "add": lambda L, n, x: [L.b.op("Add", x)],
     "last_token": _last_token,
     "argmax": lambda L, n, x: [L.b.op(

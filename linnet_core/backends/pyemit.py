@@ -106,10 +106,16 @@ def _render(n: Node, ctx: _Ctx, d: Dialect) -> str:
     if template is None:
         raise IRError(f"the {d.name} emitter has no template for op '{n.op}'")
     refs = [ctx.ref(i) for i in n.inputs]
-    return template.format(
+    line = template.format(
         out=", ".join(n.outputs), a=refs[0], b=refs[1] if len(refs) > 1 else "", args=", ".join(refs),
         **{k: ctx.attr(v) for k, v in {**OPS[n.op].defaults, **n.attrs}.items()},
     )
+    gate = n.attrs.get("apply", True)
+    if gate is True:
+        return line
+    # An op some layers skip (`apply` false there) passes its first input through on those layers.
+    lhs, rhs = line.split(" = ", 1)
+    return f"{lhs} = {rhs} if {ctx.attr(gate)} else {refs[0]}"
 
 
 def render_node(n: Node, d: Dialect) -> str:

@@ -141,10 +141,13 @@ def ragged_attention(q, k, v, pos, token_slots, d_slots, d_kv_len, p_slots, p_in
 
 
 def attention_block(qkv, heads, kv_heads, head_dim, q_norm, k_norm, eps, cos, sin, pos, token_slots, d_slots,
-                    d_kv_len, p_slots, p_index, p_pack, p_kv_len, k_cache, v_cache, layer, window, scale, kernels=None):
+                    d_kv_len, p_slots, p_index, p_pack, p_kv_len, k_cache, v_cache, layer, window, scale, rotate,
+                    kernels=None):
     """A ragged step's attention block: qkv [1, N, (H + 2 KV) D] split into heads, q and k normed (where a
-    norm weight is given) and rotated, then ragged_attention -> [1, N, H D]. One kernel call for a
-    step of one-token rows."""
+    norm weight is given) and rotated (unless `rotate` is false: a NoPE layer), then ragged_attention
+    -> [1, N, H D]. One kernel call for a step of one-token rows."""
+    if not rotate:  # cos 1 and sin 0 turn rope into x itself, bit for bit, so the kernel serves NoPE layers too
+        cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
     if kernels is not None and kernels.attention_block is not None and p_slots.shape[0] == 0:
         return kernels.attention_block(qkv, heads, kv_heads, q_norm, k_norm, eps or 0.0, cos, sin, pos, token_slots,
                                        k_cache, v_cache, layer, window or 0, scale)
@@ -203,6 +206,7 @@ TEMPLATES: dict[str, str] = {
     "silu": "{out} = silu({a}, kernels)",
     "gelu": "{out} = F.gelu({a}, approximate={approximate})",
     "mul": "{out} = {a} * {b}",
+    "scale": "{out} = {a} * {factor}",
     "add": "{out} = {a} + {b}",
     "last_token": "{out} = {a} if all_logits else {a}[torch.arange(B, device=ids.device), last].unsqueeze(1)",
     # The real last position: with all logits, a padded prompt's last token is at `last`.

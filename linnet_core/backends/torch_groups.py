@@ -69,7 +69,8 @@ def _attention_block(b: _Block, att: Node) -> Group | None:
     q_rot, k_rot, v_heads, pos, slots, *index = att.inputs
     rq, rk = b.made_by(q_rot, "rope"), b.made_by(k_rot, "rope")
     flat = b.readers[att.outputs[0]]
-    if rq is None or rk is None or rq.inputs[1:] != rk.inputs[1:] or len(flat) != 1 or flat[0].op != "reshape":
+    if (rq is None or rk is None or rq.inputs[1:] != rk.inputs[1:] or rq.attrs.get("apply", True) != rk.attrs.get("apply", True)
+            or len(flat) != 1 or flat[0].op != "reshape"):
         return None
     norms, heads = [], []
     for x in (rq.inputs[0], rk.inputs[0]):
@@ -96,7 +97,8 @@ def _attention_block(b: _Block, att: Node) -> Group | None:
         return None
     args = (Ref(split.inputs[0]), H, KV, D, *(Ref(n.inputs[1]) if n else None for n in norms),
             next(iter(epss), None), *(Ref(v) for v in (*rq.inputs[1:], pos, slots, *index)),
-            Raw("k_cache"), Raw("v_cache"), Raw("i"), att.attrs.get("window"), att.attrs["scale"])
+            Raw("k_cache"), Raw("v_cache"), Raw("i"), att.attrs.get("window"), att.attrs["scale"],
+            rq.attrs.get("apply", True))
     return Group(tuple(chain), flat[0].outputs, "attention_block", args)
 
 

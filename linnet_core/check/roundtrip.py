@@ -22,6 +22,7 @@ from ..errors import BackendUnavailable, CheckpointError, InputError, VerifyFail
 from ..gguf.llamacpp_reference import LlamaCppRefused, llamacpp, native_stderr_kept, run_llamacpp
 from ..gguf.reader import read_gguf
 from ..gguf.schema import Metadata
+from ..models import gguf_layout
 from ..tokenizer import Tokenizer
 from .agreement import compare_logits, decisive_agreement
 from .prompts import prompt_ids
@@ -198,7 +199,11 @@ def transformers_gguf_gaps(spec) -> list[str]:
     """What transformers' GGUF loader would not read back from this model's GGUF (it rebuilds the
     config from a few keys, so these settings come back as its config class's defaults)."""
     from transformers import AutoConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
+    arch = gguf_layout(spec).arch
+    if arch not in GGUF_CONFIG_MAPPING:
+        return [f"architecture {arch}"]
     gaps = []
     if spec.rope.type != "default":
         gaps.append(f"{spec.rope.type} rope scaling")

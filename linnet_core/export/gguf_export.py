@@ -18,7 +18,7 @@ import torch
 from ..check.roundtrip import check_gguf, require_gguf_consumer
 from ..compile import Model, open_model
 from ..dtypes import FORMATS, normalize_format
-from ..errors import BackendUnavailable, InputError
+from ..errors import BackendUnavailable, InputError, UnsupportedModel
 from ..gguf.reader import read_gguf
 from ..gguf.schema import Metadata, Vocabulary
 from ..gguf.tokenizer import read_vocabulary
@@ -145,7 +145,18 @@ def gguf_context_length(spec: ModelSpec) -> int:
     return min([spec.max_position_embeddings] + windows)
 
 
-def _metadata(w, spec: ModelSpec, layout: GgufLayout, vocab: GgufVocab, dtype: str, name: str, gguf) -> None:
+def check_spellable(spec: ModelSpec) -> None:
+    """Refuse, before anything is written, a model whose GGUF llama.cpp would run otherwise than Linnet."""
+    layout = gguf_layout(spec)
+    fixed = layout.no_rope_layers(spec.num_layers)
+    if spec.no_rope_layers != fixed:
+        raise UnsupportedModel(f"llama.cpp's {layout.arch} leaves rope out of layers {list(fixed) or 'none'}; this "
+                                 f"model leaves it out of {list(spec.no_rope_layers)}, which no GGUF can say",
+                                 hint="export hf keeps them")
+
+
+def _metadata(w, spec: ModelSpec, layout: GgufLayout, vocab: GgufVocab, dtype: str, name: str, gguf,
+              config: dict) -> None:
     w.add_context_length(gguf_context_length(spec))
     w.add_embedding_length(spec.hidden_size)
     w.add_block_count(spec.num_layers)
@@ -163,6 +174,9 @@ def _metadata(w, spec: ModelSpec, layout: GgufLayout, vocab: GgufVocab, dtype: s
     if spec.rope.type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.rope.factor)
+    for key, config_key in layout.config_keys.items():  # the family's numbers (parse_config checked them)
+        if config.get(config_key) is not None:
+            w.add_float32(f"{layout.arch}.{key}", float(config[config_key]))
     w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                      "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
                      "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[dtype])
@@ -236,7 +250,7 @@ def write_gguf(model: Model, path: Path, dtype: str, progress: Callable[[str], N
         vocab = read_vocab(model.path, spec.vocab_size)
     plan = _plan(spec, layout, model.checkpoint(), dtype, gguf)
     w = gguf.GGUFWriter(None, layout.arch)
-    _metadata(w, spec, layout, vocab, dtype, name, gguf)
+    _metadata(w, spec, layout, vocab, dtype, name, gguf, model.config)
     if model.is_gguf:
         _vocab_from_source(w, vocab, source_vocab)
     else:
@@ -264,6 +278,7 @@ def export_gguf(model: str | Path | Model | None, out: Path, dtype: str = "auto"
     started = time.perf_counter()
     m = model if isinstance(model, Model) else open_model(model, revision)
     dt = pick_gguf_dtype(dtype, m.spec)
+    check_spellable(m.spec)
     require_gguf()
     if check:
         require_gguf_consumer(m.spec, consumer)

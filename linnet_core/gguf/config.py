@@ -100,6 +100,11 @@ def config_from_gguf(g: GGUFFile) -> dict[str, Any]:
             raise UnsupportedModel(f"the GGUF's rope_freqs holds {factors.size} values where its rotary dimension "
                                    f"{rotary} needs {rotary // 2} positive ones")
         cfg["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
+    for name, config_key in fam.GGUF.config_keys.items():
+        if key(name) in md.values:
+            cfg[config_key] = md.number(key(name))
+    if fam.GGUF.no_rope_every:  # llama.cpp's fixed NoPE layers, as the config's per-layer flags
+        cfg["no_rope_layers"] = [int(i not in fam.GGUF.no_rope_layers(layers)) for i in range(layers)]
     window = md.count(key("attention.sliding_window"), 0, least=0, most=MAX_CONTEXT)
     if window:
         cfg["sliding_window"] = window

@@ -49,7 +49,9 @@ def reshape(x, *, shape):
     return x.reshape([x.shape[i] if isinstance(d, str) else d for i, d in enumerate(shape)])
 
 
-def rope(x, cos, sin):
+def rope(x, cos, sin, *, apply=True):
+    if not apply:
+        return x
     rot = cos.shape[-1]
     half = rot // 2
     c, s = cos[:, :, None], sin[:, :, None]
@@ -98,6 +100,10 @@ def mul(a, b):
     return a * b
 
 
+def scale(x, *, factor):
+    return x.astype(np.float64) * factor
+
+
 def add(a, b):
     return a + b
 
@@ -116,5 +122,5 @@ def argmax(logits, *, all_logits=False, last=None):
 REFERENCES = {
     "positions": positions, "rope_table": rope_table, "embedding": embedding, "rms_norm": rms_norm,
     "linear": linear, "split": split, "reshape": reshape, "rope": rope, "attention": attention,
-    "silu": silu, "gelu": gelu, "mul": mul, "add": add, "last_token": last_token, "argmax": argmax,
+    "silu": silu, "gelu": gelu, "mul": mul, "scale": scale, "add": add, "last_token": last_token, "argmax": argmax,
 }

@@ -69,7 +69,7 @@ def _reshape(x: Shape, *, shape: list) -> list[Shape]:
     return [tuple(shape)]
 
 
-def _rope(x: Shape, cos: Shape, sin: Shape) -> list[Shape]:
+def _rope(x: Shape, cos: Shape, sin: Shape, *, apply) -> list[Shape]:
     _same(cos, sin)
     _same(x[:2], cos[:2])
     if cos[-1] > x[-1] or cos[-1] % 2:
@@ -147,7 +147,9 @@ OPS: dict[str, OpDef] = {
     "linear": OpDef(_linear, 2, optional=1, doc="x @ weight.T (+ bias)"),
     "split": OpDef(_split, 1, attrs=("sizes",), doc="split the last axis"),
     "reshape": OpDef(_reshape, 1, attrs=("shape",), doc="reshape (symbols B and T kept)"),
-    "rope": OpDef(_rope, 3, doc="rotate the first rotary_dim features of each head (rotate-half layout)"),
+    "rope": OpDef(_rope, 3, attrs=("apply",), defaults={"apply": True},
+                  doc="rotate the first rotary_dim features of each head (rotate-half layout); "
+                      "on a layer whose `apply` is false, x unchanged (a per-layer attribute: NoPE layers)"),
     "attention": OpDef(
         _attention, 5, optional=RAGGED_INDEX, attrs=("scale", "window", "ragged"), in_block_only=True,
         defaults={"window": None, "ragged": False},
@@ -157,6 +159,7 @@ OPS: dict[str, OpDef] = {
     "silu": OpDef(_unary, 1),
     "gelu": OpDef(_unary, 1, attrs=("approximate",)),
     "mul": OpDef(_binary, 2),
+    "scale": OpDef(_unary, 1, attrs=("factor",), doc="x * factor, a constant of the model's config, in float32"),
     "add": OpDef(_binary, 2),
     "last_token": OpDef(_last_token, 1, optional=1, attrs=("ragged",), defaults={"ragged": False},
                         doc="x[:, -1:] unless all positions' logits are asked for; ragged: x[0, logits_index, None]"),

@@ -24,12 +24,21 @@ class GgufLayout:
     q/k rows are permuted on the way out. `renames` maps IR roles to llama.cpp's where they differ.
     `name_needs_tokens`: a `general.name` containing one of these words makes llama.cpp demand
     the listed special tokens, so the name is left out when the vocabulary lacks them.
+    `config_keys`: llama.cpp's number keys (after `{arch}.`) that carry config.json fields, both ways.
+    `no_rope_every`: llama.cpp skips rope on every n-th layer of this architecture (its NoPE layers are
+    fixed, not read from the file); 0 where it never does.
     """
 
     arch: str
     rope_interleaved: bool = False
     renames: dict[str, str] = field(default_factory=dict)
     name_needs_tokens: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    config_keys: dict[str, str] = field(default_factory=dict)
+    no_rope_every: int = 0
+
+    def no_rope_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layers llama.cpp runs without rope."""
+        return tuple(i for i in range(num_layers) if self.no_rope_every and (i + 1) % self.no_rope_every == 0)
 
 
 GLOBAL_ROLES = ("token_embd.weight", "output_norm.weight", "output.weight")  # output: absent when tied
@@ -38,16 +47,16 @@ BLOCK_ROLES = (
     "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_qkv.weight",
     "attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_qkv.bias",
     "attn_q_norm.weight", "attn_k_norm.weight",
-    "attn_output.weight", "attn_output.bias",
-    "ffn_norm.weight",
+    "attn_output.weight", "attn_output.bias", "post_attention_norm.weight",
+    "ffn_norm.weight", "post_ffw_norm.weight",
     "ffn_gate.weight", "ffn_up.weight", "ffn_gate_up.weight", "ffn_down.weight",
     "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias",
 )
 
 
 # Parts every decoder has, and the alternatives of which one must be mapped (fused or separate).
-REQUIRED_ROLES = ("token_embd.weight", "output_norm.weight", "attn_norm.weight", "attn_output.weight",
-                  "ffn_norm.weight", "ffn_down.weight")
+# Each branch's norms are its own: before it (`attn_norm`, `ffn_norm`), after it (`post_*`), or both.
+REQUIRED_ROLES = ("token_embd.weight", "output_norm.weight", "attn_output.weight", "ffn_down.weight")
 ALTERNATIVE_ROLES = ((("attn_qkv.weight",), ("attn_q.weight", "attn_k.weight", "attn_v.weight")),
                      (("ffn_gate_up.weight",), ("ffn_gate.weight", "ffn_up.weight")),
                      ((), ("attn_q_norm.weight", "attn_k_norm.weight")))  # q/k norms: none, or both
@@ -65,6 +74,9 @@ def check_weight_map(spec: ModelSpec, names: dict[str, str]) -> None:
         present = [r for r in one + other if r in names]
         if present not in (list(one), list(other)):
             missing.append(" or ".join("+".join(g) if g else "none" for g in (one, other)))
+    for pre, post in (("attn_norm.weight", "post_attention_norm.weight"), ("ffn_norm.weight", "post_ffw_norm.weight")):
+        if pre not in names and post not in names:
+            missing.append(f"{pre} or {post}")
     if missing:
         raise IRError(f"{spec.family}: weight map lacks {'; '.join(missing)}")
     if ("attn_q_norm.weight" in names) != spec.qk_norm:
@@ -85,6 +97,8 @@ def build_decoder(spec: ModelSpec, names: dict[str, str]) -> Graph:
     cos, sin = b.op("rope_table", [pos], ["rope_cos", "rope_sin"], rope=asdict(spec.rope), rotary_dim=spec.rotary_dim)
     table = b.param("token_embd.weight", (V, H), names["token_embd.weight"])
     x = b.op("embedding", [ids, table], "x")
+    if spec.embedding_scale != 1.0:
+        x = b.op("scale", [x], "x_scaled", factor=spec.embedding_scale)
 
     def linear(inp: str, role: str, out_features: int, in_features: int, out: str) -> str:
         w = b.param(f"{role}.weight", (out_features, in_features), names[f"{role}.weight"])
@@ -93,8 +107,25 @@ def build_decoder(spec: ModelSpec, names: dict[str, str]) -> Graph:
             args.append(b.param(f"{role}.bias", (out_features,), names[f"{role}.bias"]))
         return b.op("linear", args, out)
 
-    b.begin_block(L, x, window=spec.layer_windows)
-    h = b.op("rms_norm", [x, b.param("attn_norm.weight", (H,), names["attn_norm.weight"])], "h", eps=spec.rms_norm_eps)
+    def norm(inp: str, role: str, width: int, out: str) -> str:
+        """`inp` normed by the role's weight, or `inp` itself where the family has no such norm."""
+        if f"{role}.weight" not in names:
+            return inp
+        return b.op("rms_norm", [inp, b.param(f"{role}.weight", (width,), names[f"{role}.weight"])], out,
+                    eps=spec.rms_norm_eps)
+
+    def joined(residual: str, branch: str, post_norm: str, out: str) -> str:
+        """A branch's output (normed after, where the family does; scaled, where its config says) added
+        to the residual stream."""
+        branch = norm(branch, post_norm, H, f"{branch}_normed")
+        if spec.residual_scale != 1.0:
+            branch = b.op("scale", [branch], f"{branch}_scaled", factor=spec.residual_scale)
+        return b.op("add", [residual, branch], out)
+
+    windows = {"window": spec.layer_windows}
+    rope_layers = {"rope": tuple(i not in spec.no_rope_layers for i in range(L))} if spec.no_rope_layers else {}
+    b.begin_block(L, x, **windows, **rope_layers)
+    h = norm(x, "attn_norm", H, "h")
     if "attn_qkv.weight" in names:
         qkv = linear(h, "attn_qkv", (nh + 2 * kvh) * hd, H, "qkv")
         q, k, v = b.op("split", [qkv], ["q", "k", "v"], sizes=[nh * hd, kvh * hd, kvh * hd])
@@ -102,22 +133,24 @@ def build_decoder(spec: ModelSpec, names: dict[str, str]) -> Graph:
         q = linear(h, "attn_q", nh * hd, H, "q")
         k = linear(h, "attn_k", kvh * hd, H, "k")
         v = linear(h, "attn_v", kvh * hd, H, "v")
+    if spec.qk_norm_over == "projection":  # one norm over all heads' features, before they are split
+        q = norm(q, "attn_q_norm", nh * hd, "q_normed")
+        k = norm(k, "attn_k_norm", kvh * hd, "k_normed")
     q = b.op("reshape", [q], "q_heads", shape=["B", "T", nh, hd])
     k = b.op("reshape", [k], "k_heads", shape=["B", "T", kvh, hd])
     v = b.op("reshape", [v], "v_heads", shape=["B", "T", kvh, hd])
-    if "attn_q_norm.weight" in names:
-        q = b.op("rms_norm", [q, b.param("attn_q_norm.weight", (hd,), names["attn_q_norm.weight"])], "q_normed",
-                 eps=spec.rms_norm_eps)
-        k = b.op("rms_norm", [k, b.param("attn_k_norm.weight", (hd,), names["attn_k_norm.weight"])], "k_normed",
-                 eps=spec.rms_norm_eps)
-    q = b.op("rope", [q, cos, sin], "q_rot")
-    k = b.op("rope", [k, cos, sin], "k_rot")
-    a = b.op("attention", [q, k, v, pos, slots], "attn", scale=hd**-0.5, window=LayerAttr("window"))
+    if spec.qk_norm_over == "head":
+        q = norm(q, "attn_q_norm", hd, "q_normed")
+        k = norm(k, "attn_k_norm", hd, "k_normed")
+    rope_gate = {"apply": LayerAttr("rope")} if rope_layers else {}
+    q = b.op("rope", [q, cos, sin], "q_rot", **rope_gate)
+    k = b.op("rope", [k, cos, sin], "k_rot", **rope_gate)
+    scale = spec.attention_scale if spec.attention_scale is not None else hd**-0.5
+    a = b.op("attention", [q, k, v, pos, slots], "attn", scale=scale, window=LayerAttr("window"))
     a = b.op("reshape", [a], "attn_flat", shape=["B", "T", nh * hd])
     o = linear(a, "attn_output", H, nh * hd, "attn_out")
-    x1 = b.op("add", [x, o], "x_attn")
-    h2 = b.op("rms_norm", [x1, b.param("ffn_norm.weight", (H,), names["ffn_norm.weight"])], "h_ffn",
-              eps=spec.rms_norm_eps)
+    x1 = joined(x, o, "post_attention_norm", "x_attn")
+    h2 = norm(x1, "ffn_norm", H, "h_ffn")
     if "ffn_gate_up.weight" in names:
         gu = linear(h2, "ffn_gate_up", 2 * ff, H, "gate_up")
         gate, up = b.op("split", [gu], ["gate", "up"], sizes=[ff, ff])
@@ -130,15 +163,16 @@ def build_decoder(spec: ModelSpec, names: dict[str, str]) -> Graph:
         act = b.op("gelu", [gate], "act", approximate="tanh" if spec.hidden_act.endswith("tanh") else "none")
     m = b.op("mul", [act, up], "ffn_mid")
     d = linear(m, "ffn_down", H, ff, "ffn_out")
-    x = b.end_block(b.op("add", [x1, d], "x_out"))
+    x = b.end_block(joined(x1, d, "post_ffw_norm", "x_out"))
 
     last = b.op("last_token", [x], "x_last")
-    normed = b.op("rms_norm", [last, b.param("output_norm.weight", (H,), names["output_norm.weight"])], "x_final",
-                  eps=spec.rms_norm_eps)
+    normed = norm(last, "output_norm", H, "x_final")
     # A tied head is its own param over the same tensor: the artifact stores it once, and each
     # use keeps its own layout (a gather table for the embedding, a packed matrix for the head).
     head_source = names["token_embd.weight" if spec.tie_word_embeddings else "output.weight"]
     logits = b.op("linear", [normed, b.param("output.weight", (V, H), head_source)], "logits")
+    if spec.logit_scale != 1.0:
+        logits = b.op("scale", [logits], "logits_scaled", factor=spec.logit_scale)
     nxt = b.op("argmax", [logits], "next_token")
     return b.finish((nxt, logits), CacheLayout(L, kvh, hd))
 

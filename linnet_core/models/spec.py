@@ -50,6 +50,12 @@ class ModelSpec:
     layer_windows: tuple[int | None, ...]  # sliding window per layer; None = full causal
     hidden_act: str = "silu"
     qk_norm: bool = False
+    qk_norm_over: str = "head"  # "head": each head's features; "projection": the whole q / k projection
+    no_rope_layers: tuple[int, ...] = ()  # layers whose attention takes no rope (NoPE)
+    embedding_scale: float = 1.0  # the token table's rows times this
+    residual_scale: float = 1.0  # each block branch's output times this before it joins the residual
+    attention_scale: float | None = None  # the scores' scale; None: 1 / sqrt(head_dim)
+    logit_scale: float = 1.0  # the logits times this
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -72,7 +78,7 @@ class ModelSpec:
         """The spec `to_json` wrote (lists back to tuples, the rope back to its record)."""
         rope = RopeSpec(**{**d["rope"], "freq_factors": tuple(d["rope"].get("freq_factors", ()))})
         return cls(**{**d, "rope": rope, "layer_windows": tuple(d["layer_windows"]),
-                      "eos_token_ids": tuple(d["eos_token_ids"])})
+                      "eos_token_ids": tuple(d["eos_token_ids"]), "no_rope_layers": tuple(d.get("no_rope_layers", ()))})
 
 
 def require(cfg: dict, *keys: str) -> Any:

@@ -74,7 +74,7 @@ def _small_ops_disagree(ext) -> str | None:
         small = StepKernels(decode_attention=DecodeAttention(ext), rms_norm=ext.rms_norm, rope=ext.rope,
                             write_cache=ext.write_cache)  # the unfused kernels
         want = generic("attention_block")(qkv1, 3, 1, 32, w, w, 1e-6, cos[:1], sin[:1], pos1, rows1, *index,
-                                          caches[2], caches[3], 1, None, 0.2, small)
+                                          caches[2], caches[3], 1, None, 0.2, True, small)
         if not (torch.equal(got, want) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])):
             return "attention block"
         logits = torch.randn(3, 50, generator=g).to(dtype)
