@@ -31,7 +31,7 @@ def weight_bytes(spec: ModelSpec, dtype: str, copies_of_tied: int = 1) -> int:
         n = 1
         for d in p.shape:
             n *= d
-        source = (tuple(p.sources(layer)), p.shape, formats[full])
+        source = (tuple(p.sources(layer)), p.shape, formats[full], p.offset)
         if source in seen and copies_of_tied == 1:
             continue
         seen.add(source)

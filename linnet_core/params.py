@@ -35,9 +35,13 @@ def check_against(graph: Graph, ckpt: Checkpoint) -> None:
                                   f"the config implies {p.shape[0]}")
 
 
-def materialize(p: Param, layer: int | None, ckpt: Checkpoint, dtype: torch.dtype) -> torch.Tensor:
+def materialize(p: Param, layer: int | None, ckpt: Checkpoint, dtype: torch.dtype, *,
+                as_stored: bool = False) -> torch.Tensor:
+    """The param's value in `dtype` (`as_stored`: the checkpoint's tensors without the param's offset)."""
     parts = [ckpt.get(s) for s in p.sources(layer)]
     t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    if p.offset and not as_stored:  # added in float32, then rounded once, as transformers computes 1 + w
+        t = t.float() + p.offset
     return t.to(dtype)
 
 
@@ -51,7 +55,7 @@ def layout(graph: Graph, dtype: str) -> tuple[list[tuple[str, tuple[int, ...], t
     stored: dict[tuple, str] = {}
     entries, aliases = [], {}
     for full, p, layer in graph.all_params():
-        source = (tuple(p.sources(layer)), p.shape, formats[full])
+        source = (tuple(p.sources(layer)), p.shape, formats[full], p.offset)
         if source in stored:
             aliases[full] = stored[source]
             continue

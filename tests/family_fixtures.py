@@ -54,6 +54,15 @@ CASES = [
                                                  eos_token_id=2)),
     Case("smollm3-nope", "SmolLM3Config", dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
                                               pad_token_id=0, bos_token_id=1, eos_token_id=2), tokenizer="llama3"),
+    Case("gemma2-softcaps", "Gemma2Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                 query_pre_attn_scalar=16, sliding_window=8,
+                                                 attn_logit_softcapping=3.0, final_logit_softcapping=4.0,
+                                                 pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    Case("gemma3-local-global", "Gemma3TextConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+        num_hidden_layers=6, pad_token_id=0, bos_token_id=1, eos_token_id=2,  # layers 0-4 slide, 5 is full
+        rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     Case("phi3-partial-rotary-gqa", "Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
                                                        rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                                             partial_rotary_factor=0.5))),
@@ -78,13 +87,16 @@ CPU_BACKENDS = ["torch", "inductor"] + ["onnxruntime"] * HAVE["onnxruntime"] + [
 HALF_DTYPES = [("torch", "float16"), ("torch", "bfloat16"), ("inductor", "bfloat16")] \
     + [("onnxruntime", "float16")] * HAVE["onnxruntime"] + [("jax", "bfloat16"), ("stablehlo", "bfloat16")] * HAVE["jax"]
 FAMILY_CASES = ["llama-gqa-untied", "mistral-window", "qwen2-bias-tied", "qwen3-headdim128", "phi3-fused-window",
-                "granite-multipliers", "olmo2-post-norms", "smollm3-nope"]
+                "granite-multipliers", "olmo2-post-norms", "smollm3-nope", "gemma2-softcaps", "gemma3-local-global"]
 
 
 def to_legacy(cfg: dict) -> dict:
     """The pre-transformers-5 spelling of a config: rope_theta / rope_scaling / torch_dtype."""
     cfg = dict(cfg)
     rope = dict(cfg.pop("rope_parameters", None) or {})
+    if "full_attention" in rope:  # by layer type: the full layers' rope, and the sliding layers' base
+        cfg["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+        rope = dict(rope["full_attention"])
     cfg["rope_theta"] = rope.pop("rope_theta", 10000.0)
     partial = rope.pop("partial_rotary_factor", None)
     if partial is not None:

@@ -101,6 +101,9 @@ def _cases() -> list[OpCase]:
                                         ("sin", (*bt, 6), sin)], {"apply": False}),  # a NoPE layer
         OpCase("attention-gqa-window", "attention", attention_dense, {"scale": 0.4, "window": 3}),
         OpCase("attention-gqa", "attention", attention_dense, {"scale": 0.4, "window": None}),
+        OpCase("attention-softcap-window", "attention", attention_dense, {"scale": 0.9, "window": 3, "softcap": 1.5}),
+        OpCase("attention-ragged-softcap", "attention", attention_ragged,
+               {"scale": 0.9, "window": None, "softcap": 1.5, "ragged": True}, ragged=True),
         OpCase("attention-ragged-window", "attention", attention_ragged,
                {"scale": 0.4, "window": 3, "ragged": True}, ragged=True),
         OpCase("silu", "silu", [("x", (*bt, 7), floats(B, T, 7))], {}),
@@ -108,6 +111,8 @@ def _cases() -> list[OpCase]:
         OpCase("gelu-tanh", "gelu", [("x", (*bt, 7), floats(B, T, 7))], {"approximate": "tanh"}),
         OpCase("mul", "mul", [("a", (*bt, 7), floats(B, T, 7)), ("b", (*bt, 7), floats(B, T, 7))], {}),
         OpCase("scale", "scale", [("x", (*bt, 7), floats(B, T, 7))], {"factor": 0.22}),
+        OpCase("softcap", "softcap", [("x", (*bt, 7), floats(B, T, 7) * 4)], {"cap": 1.5}),
+        OpCase("pick", "pick", [("a", (*bt, 7), floats(B, T, 7)), ("b", (*bt, 7), floats(B, T, 7))], {"index": 1}),
         OpCase("add", "add", [("a", (*bt, 7), floats(B, T, 7)), ("b", (*bt, 7), floats(B, T, 7))], {}),
         OpCase("last_token", "last_token", [("x", (*bt, 7), floats(B, T, 7))], {}),
         OpCase("last_token-ragged", "last_token", [("x", (1, "N", 7), floats(1, N, 7)),

@@ -282,7 +282,8 @@ def test_verify_cli_on_a_gguf(exported):
 
 
 @needs_llama_cpp
-@pytest.mark.parametrize("case", ["qwen2-bias-tied", "llama-gqa-untied"])
+@pytest.mark.parametrize("case", ["qwen2-bias-tied", "llama-gqa-untied", "granite-multipliers", "olmo2-post-norms",
+                                  "smollm3-nope", "gemma2-softcaps", "gemma3-local-global"])
 def test_export_hf_from_a_gguf_is_the_checkpoint_again(case, exported, tokenized_checkpoints, tmp_path):
     """GGUF -> Hugging Face: checked in transformers against llama.cpp on the file, and it decodes
     as the checkpoint the GGUF was made from (the q/k rows back in rotate-half order)."""
@@ -352,6 +353,8 @@ def test_k_quant_files_from_llama_cpps_quantizer_compute_as_llama_cpp(case_id, f
 
     case = next(c for c in CASES if c.id == case_id)
     heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # every row a multiple of 256
+    if "query_pre_attn_scalar" in case.kwargs:  # llama.cpp scales scores by 1/sqrt(head_dim)
+        heads["query_pre_attn_scalar"] = 64
     folder = make_checkpoint(case, tmp_path / "k", vocab_size=TOKENIZED_VOCAB, hidden_size=256,
                              intermediate_size=512, **{**heads, **({"num_key_value_heads": 4} if "phi3" in case_id
                                                                    else {})})

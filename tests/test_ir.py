@@ -18,7 +18,7 @@ from linnet_core.ir.ops import OPS
 from linnet_core.ir.passes import fuse_parallel_linears, optimize
 from linnet_core.ir.ragged import to_ragged
 from linnet_core.ir.verify import verify
-from linnet_core.models import build_graph, load_spec
+from linnet_core.models import build_graph, load_spec, weight_names
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -108,13 +108,16 @@ def test_the_eager_step_calls_each_fused_group_once_a_layer(case, checkpoints):
     graph = optimize(build_graph(load_spec(checkpoints[case])))
     ragged = emit(to_ragged(graph))
     loop = ragged[ragged.index("for i, w in enumerate(layers):"):]
-    # OLMo 2 norms q and k over the whole projection and norms after each branch, not before the next:
-    # neither pattern is a group's, so those lines stay as they are.
-    unfused = {"= attention_block(", "= add_rms_norm("} if case == "olmo2-post-norms" else set()
+    # Patterns no group has stay as lines: q/k norms over the whole projection and soft-capped scores
+    # (no attention kernel for them), a gelu MLP, norms after a branch but none before the next.
+    spec = load_spec(checkpoints[case])
+    unfused = {"= attention_block(" if spec.qk_norm_over == "projection" or spec.attention_softcap else "",
+               "= silu_mul(" if spec.hidden_act != "silu" else "",
+               "= add_rms_norm(" if "ffn_norm.weight" not in weight_names(spec) else ""} - {""}
     for call in ("= attention_block(", "= silu_mul(", "= add_rms_norm("):
         assert loop.count(call) == (call not in unfused), call
-    assert ("ragged_attention(" in loop) == bool(unfused)
-    assert (".split_with_sizes(" in loop) == bool(unfused)  # the fused q/k/v split is the attention block's
+    assert ("ragged_attention(" in loop) == ("= attention_block(" in unfused)
+    assert (".split_with_sizes(" in loop) == bool(unfused & {"= attention_block(", "= silu_mul("})
     assert "= attention_block(" not in emit(graph).split("def step(")[1]
 
 

@@ -108,11 +108,24 @@ def attention_bias(m: MathBuilder, q_pos: Value, key_pos: Value, window: int | N
     return m.unsqueeze(bias, [1, 2])
 
 
-def attend(m: MathBuilder, q: Value, keys: Value, values: Value, bias: Value, scale: float) -> Value:
-    """q [B, KV, G, T, D] over keys, values [B, KV, L, D] -> [B, KV, G, T, D]; scores, mask and
-    softmax in float32, as the reference computes them."""
-    scores = m.add(m.mul(m.to_f32(m.qk(q, keys)), m.scalar(scale, "f32")), bias)
-    return m.pv(m.to_act(m.softmax_last(scores)), values)
+def attend(m: MathBuilder, q: Value, keys: Value, values: Value, bias: Value, scale: float,
+           softcap: float | None = None) -> Value:
+    """q [B, KV, G, T, D] over keys, values [B, KV, L, D] -> [B, KV, G, T, D]; scores (soft-capped where
+    `softcap` is given), mask and softmax in float32, as the reference computes them."""
+    scores = m.mul(m.to_f32(m.qk(q, keys)), m.scalar(scale, "f32"))
+    if softcap is not None:
+        scores = capped(m, scores, softcap)
+    return m.pv(m.to_act(m.softmax_last(m.add(scores, bias))), values)
+
+
+def capped(m: MathBuilder, x32: Value, cap: float) -> Value:
+    """cap * tanh(x / cap) of a float32 value."""
+    return m.mul(m.scalar(cap, "f32"), m.tanh(m.mul(x32, m.scalar(1.0 / cap, "f32"))))
+
+
+def softcap(m: MathBuilder, x: Value, cap: float) -> Value:
+    """cap * tanh(x / cap) in float32, back in the compute dtype."""
+    return m.to_act(capped(m, m.to_f32(x), cap))
 
 
 def scale(m: MathBuilder, x: Value, factor: float) -> Value:

@@ -82,7 +82,12 @@ def apply_rope(x, cos, sin):
     return out if x_pass.shape[-1] == 0 else jnp.concatenate([out, x_pass], axis=-1)
 
 
-def attention(q, k, v, pos, slots, k_cache, v_cache, layer, window, scale):
+def softcap(x, cap):
+    """cap * tanh(x / cap), in float32: values held below cap (Gemma 2's logits)."""
+    return (cap * jnp.tanh(x.astype(jnp.float32) / cap)).astype(x.dtype)
+
+
+def attention(q, k, v, pos, slots, k_cache, v_cache, layer, window, scale, softcap):
     """Write k, v at `pos` of rows `slots` of layer `layer`, then attend causally over the cache.
 
     q [B, T, H, D]; k, v [B, T, KV, D]; caches [L, rows, KV, S, D] (returned updated);
@@ -103,6 +108,8 @@ def attention(q, k, v, pos, slots, k_cache, v_cache, layer, window, scale):
     # scores come out of the dot in float32, unrounded, as SDPA's and the reference's do
     scores = jnp.einsum("btkgd,bksd->bkgts", qg, keys, precision=precision(q),
                         preferred_element_type=jnp.float32) * scale  # [B, KV, G, T, S]
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # in float32, as the reference does
     out = jnp.einsum("bkgts,bksd->btkgd", probs, values, precision=precision(q))  # [B, T, KV, G, D]
@@ -111,18 +118,20 @@ def attention(q, k, v, pos, slots, k_cache, v_cache, layer, window, scale):
 
 TEMPLATES: dict[str, str] = {
     "positions": "{out} = {a}[:, None] + jnp.arange(T)",
-    "rope_table": "{out} = rope_table({a}, ROPE_INV_FREQ, dtype)",
+    "rope_table": "{out} = rope_table({a}, {inv_freq}, dtype)",
     "embedding": "{out} = embedding({a}, {b})",
     "rms_norm": "{out} = rms_norm({a}, {b}, {eps})",
     "linear": "{out} = linear({args})",
     "split": "{out} = split({a}, {sizes})",
     "reshape": "{out} = {a}.reshape({shape})",
     "rope": "{out} = apply_rope({args})",
-    "attention": "{out}, k_cache, v_cache = attention({args}, k_cache, v_cache, i, {window}, {scale})",
+    "attention": "{out}, k_cache, v_cache = attention({args}, k_cache, v_cache, i, {window}, {scale}, {softcap})",
     "silu": "{out} = jax.nn.silu({a})",
     "gelu": "{out} = jax.nn.gelu({a}, approximate=({approximate} == 'tanh'))",
     "mul": "{out} = {a} * {b}",
     "scale": "{out} = scale_by({a}, {factor})",
+    "softcap": "{out} = softcap({a}, {cap})",
+    "pick": "{out} = ({args})[{index}]",
     "add": "{out} = {a} + {b}",
     "last_token": "{out} = {a} if all_logits else jnp.take_along_axis({a}, last[:, None, None], axis=1)",
     "argmax": "{out} = jnp.argmax({a}[jnp.arange(B), last if all_logits else 0], axis=-1)",

@@ -407,7 +407,8 @@ def _attention(L: _Lowering, n: Node, x: list[V]) -> list[V]:
     if window not in L.biases:
         L.biases[window] = decompose.attention_bias(m, pos, m.iota((S,), 0), window)  # [B, 1, 1, T, S]
     q5 = m.transpose(m.reshape(q, (B, T, KV, G, D)), [0, 2, 3, 1, 4])  # [B, KV, G, T, D]
-    out = decompose.attend(m, q5, keys, values, L.biases[window], L.attr(n, "scale"))  # [B, KV, G, T, D]
+    out = decompose.attend(m, q5, keys, values, L.biases[window], L.attr(n, "scale"),
+                           L.attr(n, "softcap"))  # [B, KV, G, T, D]
     return [m.reshape(m.transpose(out, [0, 3, 1, 2, 4]), (B, T, H, D))]
 
 
@@ -446,6 +447,8 @@ LOWERINGS: dict[str, HloLowering] = {
     "gelu": lambda L, n, x: [decompose.gelu(L.m, x[0], n.attrs["approximate"])],
     "mul": lambda L, n, x: [L.m.mul(*x)],
     "scale": lambda L, n, x: [decompose.scale(L.m, x[0], n.attrs["factor"])],
+    "softcap": lambda L, n, x: [decompose.softcap(L.m, x[0], n.attrs["cap"])],
+    "pick": lambda L, n, x: [x[L.attr(n, "index")]],
     "add": lambda L, n, x: [L.m.add(*x)],
     "last_token": _last_token,
     "argmax": _argmax,

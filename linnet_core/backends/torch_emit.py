@@ -90,6 +90,11 @@ def add_rms_norm(x, y, weight, eps, kernels=None):
     return total, rms_norm(total, weight, eps, kernels)
 
 
+def softcap(x, cap):
+    """cap * tanh(x / cap), in float32: values held below cap (Gemma 2's logits)."""
+    return (cap * torch.tanh(x.float() / cap)).to(x.dtype)
+
+
 def argmax(x, kernels=None):
     """The index of the largest of x [..., V] along V (the first on ties)."""
     if kernels is not None and kernels.argmax is not None:
@@ -110,17 +115,18 @@ def write_cache(k, v, pos, rows, k_cache, v_cache, layer, kernels=None):
     v_cache[layers, rows, :, pos] = v.to(v_cache.dtype)
 
 
-def attention(q, k, v, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, kernels=None):
+def attention(q, k, v, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, softcap, kernels=None):
     """Write k, v at `pos` of cache rows `slots` of `layer`, then attend over the first kv_len positions.
 
     q [B, T, H, D]; k, v [B, T, KV, D]; caches [L, rows, KV, S, D]; returns [B, T, H, D].
     """
     write_cache(k, v, pos, slots[:, None].expand_as(pos), k_cache, v_cache, layer, kernels)
-    return attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, q.shape[2] != k.shape[2], kernels)
+    return attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, q.shape[2] != k.shape[2], kernels,
+                  softcap)
 
 
 def ragged_attention(q, k, v, pos, token_slots, d_slots, d_kv_len, p_slots, p_index, p_pack, p_kv_len,
-                     k_cache, v_cache, layer, window, scale, kernels=None):
+                     k_cache, v_cache, layer, window, scale, softcap, kernels=None):
     """A ragged step's attention: q [1, N, H, D] of N tokens from many rows, each written at its own
     row and position, then attended in two groups: the first Bd tokens (one-token rows), and the
     chunks gathered into [Bp, Tp] by p_index (padding repeats a chunk's last token) -> [1, N, H, D].
@@ -130,12 +136,13 @@ def ragged_attention(q, k, v, pos, token_slots, d_slots, d_kv_len, p_slots, p_in
     outs, n_decode = [], d_slots.shape[0]
     if n_decode:  # [1, Bd, H, D] -> [Bd, 1, H, D] and back
         out = attend(q[0, :n_decode, None], pos[0, :n_decode, None], d_slots, d_kv_len,
-                     k_cache, v_cache, layer, window, scale, gqa, kernels)
+                     k_cache, v_cache, layer, window, scale, gqa, kernels, softcap)
         outs.append(out[:, 0][None])
     if p_slots.shape[0] == 1 and not n_decode and p_index.shape[1] == q.shape[1]:  # one whole chunk: already [1, N]
-        outs.append(attend(q, pos, p_slots, p_kv_len, k_cache, v_cache, layer, window, scale, gqa))
+        outs.append(attend(q, pos, p_slots, p_kv_len, k_cache, v_cache, layer, window, scale, gqa, softcap=softcap))
     elif p_slots.shape[0]:  # [1, N, H, D] -> [Bp, Tp, H, D] -> [1, Np, H, D]
-        out = attend(q[0][p_index], pos[0][p_index], p_slots, p_kv_len, k_cache, v_cache, layer, window, scale, gqa)
+        out = attend(q[0][p_index], pos[0][p_index], p_slots, p_kv_len, k_cache, v_cache, layer, window, scale, gqa,
+                     softcap=softcap)
         outs.append(out.flatten(0, 1)[p_pack][None])
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
@@ -158,17 +165,18 @@ def attention_block(qkv, heads, kv_heads, head_dim, q_norm, k_norm, eps, cos, si
     k = k if k_norm is None else rms_norm(k, k_norm, eps, kernels)
     q, k = apply_rope(q, cos, sin, kernels), apply_rope(k, cos, sin, kernels)
     out = ragged_attention(q, k, v, pos, token_slots, d_slots, d_kv_len, p_slots, p_index, p_pack, p_kv_len,
-                           k_cache, v_cache, layer, window, scale, kernels)  # [1, N, H, D]
+                           k_cache, v_cache, layer, window, scale, None, kernels)  # [1, N, H, D]
     return out.reshape(1, N, heads * head_dim)
 
 
-def attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, gqa, kernels=None):
-    """q [B, T, H, D] over the first kv_len positions of cache rows `slots` -> [B, T, H, D].
+def attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, gqa, kernels=None, softcap=None):
+    """q [B, T, H, D] over the first kv_len positions of cache rows `slots` -> [B, T, H, D]; `softcap`:
+    the scores become softcap * tanh(scores / softcap) before the mask.
 
     The runtime's kernel for one-token queries (`kernels.decode_attention`) reads the cache in
     place, where the lines below copy it.
     """
-    if kernels is not None and kernels.decode_attention is not None and q.shape[1] == 1:
+    if softcap is None and kernels is not None and kernels.decode_attention is not None and q.shape[1] == 1:
         return kernels.decode_attention(q[:, 0], pos[:, 0], slots, k_cache, v_cache, layer, window, scale)[:, None]
     keys = k_cache[layer, :, :, :kv_len].index_select(0, slots)  # [B, KV, kv_len, D]
     values = v_cache[layer, :, :, :kv_len].index_select(0, slots)
@@ -178,6 +186,14 @@ def attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, gqa, k
     if window is not None:
         mask = mask & (key_pos > pos[..., None] - window)
     dtype = q.dtype
+    if softcap is not None:  # SDPA has no soft cap: the scores spelled out, in float32 as the reference
+        keys, values = keys.float(), values.float()
+        if gqa:
+            keys = keys.repeat_interleave(q.shape[2] // keys.shape[1], dim=1)
+            values = values.repeat_interleave(q.shape[2] // values.shape[1], dim=1)
+        scores = q.transpose(1, 2).float() @ keys.transpose(-1, -2) * scale  # [B, H, T, kv_len]
+        scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask[:, None], float("-inf"))
+        return (scores.softmax(-1) @ values).transpose(1, 2).to(dtype)
     if dtype == torch.float16 and q.device.type == "cpu":  # PyTorch's CPU float16 SDPA runs ~2.6x slower than float32's
         q, keys, values = q.float(), keys.float(), values.float()
     out = F.scaled_dot_product_attention(
@@ -195,18 +211,20 @@ STEP_KERNELS = 'kernels = g.get("step_kernels")  # the runtime\'s CPU kernels fo
 # One template per op (placeholders: see pyemit).
 TEMPLATES: dict[str, str] = {
     "positions": "{out} = {a}[:, None] + torch.arange(T, device=ids.device)",
-    "rope_table": "{out} = rope_table({a}, ROPE_INV_FREQ, dtype)",
+    "rope_table": "{out} = rope_table({a}, {inv_freq}, dtype)",
     "embedding": "{out} = embedding({a}, {b})",
     "rms_norm": "{out} = rms_norm({a}, {b}, {eps}, kernels)",
     "linear": "{out} = linear({args})",
     "split": "{out} = {a}.split_with_sizes({sizes}, dim=-1)",  # no Python wrapper: Tensor.split costs ~3 us more a call
     "reshape": "{out} = {a}.reshape({shape})",
     "rope": "{out} = apply_rope({args}, kernels)",
-    "attention": "{out} = attention({args}, kv_len, k_cache, v_cache, i, {window}, {scale}, kernels)",
+    "attention": "{out} = attention({args}, kv_len, k_cache, v_cache, i, {window}, {scale}, {softcap}, kernels)",
     "silu": "{out} = silu({a}, kernels)",
     "gelu": "{out} = F.gelu({a}, approximate={approximate})",
     "mul": "{out} = {a} * {b}",
     "scale": "{out} = {a} * {factor}",
+    "softcap": "{out} = softcap({a}, {cap})",
+    "pick": "{out} = ({args})[{index}]",
     "add": "{out} = {a} + {b}",
     "last_token": "{out} = {a} if all_logits else {a}[torch.arange(B, device=ids.device), last].unsqueeze(1)",
     # The real last position: with all logits, a padded prompt's last token is at `last`.
@@ -215,7 +233,7 @@ TEMPLATES: dict[str, str] = {
 # The ragged form has no positions op (positions are an input) and one entry per wanted token.
 RAGGED_TEMPLATES: dict[str, str] = {
     **{op: t for op, t in TEMPLATES.items() if op != "positions"},
-    "attention": "{out} = ragged_attention({args}, k_cache, v_cache, i, {window}, {scale}, kernels)",
+    "attention": "{out} = ragged_attention({args}, k_cache, v_cache, i, {window}, {scale}, {softcap}, kernels)",
     "last_token": "{out} = {a}[0, {b}, None]",
     "argmax": "{out} = argmax({a}[:, 0], kernels)",
 }

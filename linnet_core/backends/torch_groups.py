@@ -64,8 +64,8 @@ def _add_rms_norm(b: _Block, norm: Node) -> Group | None:
 
 def _attention_block(b: _Block, att: Node) -> Group | None:
     """split(qkv) -> reshapes -> [rms_norm q / k] -> rope q, k -> ragged attention -> reshape."""
-    if att.op != "attention" or not att.attrs.get("ragged"):
-        return None
+    if att.op != "attention" or not att.attrs.get("ragged") or att.attrs.get("softcap") is not None:
+        return None  # the kernel has no soft cap: soft-capped attention keeps its lines
     q_rot, k_rot, v_heads, pos, slots, *index = att.inputs
     rq, rk = b.made_by(q_rot, "rope"), b.made_by(k_rot, "rope")
     flat = b.readers[att.outputs[0]]

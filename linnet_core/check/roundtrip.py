@@ -19,12 +19,12 @@ import numpy as np
 from ..compile import Model, load_model
 from ..dtypes import FORMATS, normalize_dtype, normalize_format
 from ..errors import BackendUnavailable, CheckpointError, InputError, VerifyFailed
-from ..gguf.llamacpp_reference import LlamaCppRefused, llamacpp, native_stderr_kept, run_llamacpp
+from ..gguf.llamacpp_reference import LlamaCppRefused, llamacpp, llamacpp_activations, native_stderr_kept, run_llamacpp
 from ..gguf.reader import read_gguf
 from ..gguf.schema import Metadata
 from ..models import gguf_layout
 from ..tokenizer import Tokenizer
-from .agreement import compare_logits, decisive_agreement
+from .agreement import TOLERANCE, compare_logits, decisive_agreement
 from .prompts import prompt_ids
 from .reference import ReferenceRun, quiet_transformers, reference_dtype, reference_run, run_reference
 
@@ -75,9 +75,15 @@ class RoundTrip:
                                     hint="pass --no-check to write it anyway")
 
 
+def coarser(a: str, b: str) -> str:
+    """Of two roundings, the one with the larger tolerance."""
+    return max(a, b, key=lambda r: TOLERANCE.get(r, 1.0))
+
+
 def _judge(fmt: str, consumer: str, dtype: str, ids, ref, logits: np.ndarray, steps: int,
-           tokenizer_match: bool | None) -> RoundTrip:
-    precision = normalize_dtype(dtype)
+           tokenizer_match: bool | None, precision: str | None = None) -> RoundTrip:
+    """`precision`: the consumer's rounding where it is coarser than the dtype's."""
+    precision = normalize_dtype(dtype) if precision is None else coarser(normalize_dtype(dtype), precision)
     if precision in GATED_BY_DISTANCE:
         distance, tolerance, top1 = compare_logits(logits, ref.logits, precision)
         passed = distance <= tolerance
@@ -113,13 +119,16 @@ def check_hf(model: Model, folder: Path, dtype: str) -> RoundTrip:
     against the source in transformers, or in llama.cpp for a GGUF source."""
     ids = prompt_ids(model, None)
     ref_dtype = reference_dtype(model.spec, dtype)  # float32 unless too big: then both sides in `dtype`
+    rounding = None
     if model.is_gguf:
         ref = run_llamacpp(model.path, ids, HF_STEPS)
+        rounding = llamacpp_activations(model.spec, model.config.get("gguf_weights", "F32"))
     else:
         ref = reference_run(model.path, ids, HF_STEPS, ref_dtype)
     got = reference_run(folder, ids, HF_STEPS, ref_dtype, feed=ref.tokens)
     match = _hf_tokenizers_match(model.path, folder)
-    return _judge("hf", f"transformers {_version('transformers')}", dtype, ids, ref, got.logits, HF_STEPS, match)
+    return _judge("hf", f"transformers {_version('transformers')}", dtype, ids, ref, got.logits, HF_STEPS, match,
+                  rounding)
 
 
 # The engines that can load a GGUF back, best first, and the modules each needs.
@@ -168,9 +177,11 @@ def check_gguf(model: Model, file: Path, dtype: str, consumer: str | None = None
     else:
         ref = reference_run(model.path, ids, steps, reference_dtype(model.spec, dtype),
                             quantized=(model.spec, fmt) if FORMATS[fmt].quantized else None)
+    rounding = None
     if consumer == "llama.cpp":
         logits, match = _run_llamacpp(model, file, ids, ref.tokens[:steps])
         name = f"llama.cpp (llama-cpp-python {_version('llama-cpp-python')})"
+        rounding = llamacpp_activations(model.spec, "F32")  # its floor, whatever the file's type
     else:
         try:
             loaded = _load_transformers_gguf(file)
@@ -182,7 +193,7 @@ def check_gguf(model: Model, file: Path, dtype: str, consumer: str | None = None
         logits = got.logits
         match = _hf_tokenizers_match(model.path, file.parent, gguf_file=file.name)
         name = f"transformers {_version('transformers')} (gguf_file=)"
-    return _judge("gguf", name, dtype, ids, ref, logits, steps, match)
+    return _judge("gguf", name, dtype, ids, ref, logits, steps, match, rounding)
 
 
 def _linnet_reference(model: Model, ids: list[int], steps: int, fmt: str) -> ReferenceRun:

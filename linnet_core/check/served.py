@@ -26,7 +26,7 @@ from ..bench.machine import environment
 from ..compile import Model, open_model, pick_dtype
 from ..dtypes import FORMATS
 from ..errors import InputError
-from ..gguf.llamacpp_reference import llamacpp, native_stderr_kept
+from ..gguf.llamacpp_reference import llamacpp, llamacpp_activations, native_stderr_kept
 from ..tokenizer import Tokenizer
 from .agreement import TOLERANCE, log_softmax
 from .prompts import DEFAULT_PROMPT, UNSEEN_TEXT, has_tokenizer
@@ -34,7 +34,6 @@ from .reference import as_quantized, load_reference, reference_dtype, run_refere
 from .served_ask import Asked, Asker
 from .served_compare import Bounds, Comparison, compare, compare_text
 from .server_api import Client, Refused, ServerFailed
-from .verify import LLAMACPP_ACTIVATIONS
 
 # Prompts that exercise the tokenizer (digits, code, accents, CJK, emoji) and, the last, positions
 # far enough out that a wrong rope base shows.
@@ -176,7 +175,7 @@ def verify_server(model: str | Path | None, url: str, dtype: str = "auto", api_k
     claimed = pick_dtype(dtype, m.spec)
     # A GGUF's reference is llama.cpp on the file, at the rounding of its weights' type (or of the
     # server's claim, where that is coarser: a float16 KV cache over float32 weights, say).
-    file_rounding = LLAMACPP_ACTIVATIONS.get(m.config.get("gguf_weights", "F32"), "int8/256") if m.is_gguf else None
+    file_rounding = llamacpp_activations(m.spec, m.config.get("gguf_weights", "F32")) if m.is_gguf else None
     rounding = activations_of(claimed) if not m.is_gguf or dtype != "auto" else file_rounding
     if file_rounding is not None and TOLERANCE[file_rounding] > TOLERANCE[rounding]:
         rounding = file_rounding

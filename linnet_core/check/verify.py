@@ -20,7 +20,7 @@ from ..backends import get_backend
 from ..compile import Model, compile_model, load_model, open_model
 from ..dtypes import FORMATS, compute_dtype
 from ..errors import InputError
-from ..gguf.llamacpp_reference import run_llamacpp
+from ..gguf.llamacpp_reference import llamacpp_activations, run_llamacpp
 from ..memory import check_fits
 from .agreement import compare_logits, tolerance_for
 from .prompts import prompt_ids, text_ids
@@ -50,10 +50,6 @@ class VerifyReport:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-# What llama.cpp's CPU dot products round activations to, by the type of the GGUF's matrices.
-LLAMACPP_ACTIVATIONS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "int8", "Q4_0": "int8"}
 
 
 def _transformers_reference(m: Model, ids: list[int], steps: int, compiled, activations: str, reference,
@@ -104,7 +100,7 @@ def verify(model: str | Path | Model | None, backend: str = "torch", dtype: str 
         ref = run_llamacpp(m.path, ids, steps)
         weights = m.config.get("gguf_weights", "F32")
         ref_dtype = f"llama.cpp ({weights} weights)"
-        ref_activations = LLAMACPP_ACTIVATIONS.get(weights, "int8/256")  # the rest: K-quants
+        ref_activations = llamacpp_activations(m.spec, weights)
     else:
         ref, ref_dtype, original, effect_text, effect_ids = _transformers_reference(
             m, ids, steps, compiled, activations, reference, be.kv_cache_dtype(compiled.dtype))

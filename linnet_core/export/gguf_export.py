@@ -7,6 +7,7 @@ llama.cpp's interleaved rope). Tensors are converted and written one at a time.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -25,7 +26,7 @@ from ..gguf.tokenizer import read_vocabulary
 from ..gguf.vocab import GgufVocab, read_vocab, vocab_from_gguf
 from ..ir.rope import inv_freq
 from ..models import GgufLayout, build_graph, gguf_layout
-from ..models.spec import ModelSpec
+from ..models.spec import ModelSpec, RopeSpec
 from ..params import materialize, release_sources
 from ..quant import param_formats, quantize
 from ..tokenizer import Tokenizer, read_chat_template
@@ -148,11 +149,27 @@ def gguf_context_length(spec: ModelSpec) -> int:
 def check_spellable(spec: ModelSpec) -> None:
     """Refuse, before anything is written, a model whose GGUF llama.cpp would run otherwise than Linnet."""
     layout = gguf_layout(spec)
+
+    def refuse(what: str):
+        raise UnsupportedModel(f"{what}, which no GGUF of llama.cpp's {layout.arch} can say", hint="export hf keeps it")
+
     fixed = layout.no_rope_layers(spec.num_layers)
     if spec.no_rope_layers != fixed:
-        raise UnsupportedModel(f"llama.cpp's {layout.arch} leaves rope out of layers {list(fixed) or 'none'}; this "
-                                 f"model leaves it out of {list(spec.no_rope_layers)}, which no GGUF can say",
-                                 hint="export hf keeps them")
+        refuse(f"llama.cpp leaves rope out of layers {list(fixed) or 'none'}; this model leaves it out of "
+               f"{list(spec.no_rope_layers)}")
+    windows = {w for w in spec.layer_windows if w}
+    if layout.sliding_every and windows:
+        want = tuple(next(iter(windows)) if s else None for s in layout.sliding_layers(spec.num_layers))
+        if len(windows) > 1 or spec.layer_windows != want:
+            refuse(f"the model slides windows {list(spec.layer_windows)} by layer, not llama.cpp's fixed pattern")
+    if spec.sliding_rope is not None and spec.sliding_rope != RopeSpec(theta=layout.sliding_rope_theta or 0.0):
+        refuse("the sliding layers' rope is not llama.cpp's fixed one")
+    if (spec.attention_scale is not None and "attention.scale" not in layout.config_keys
+            and not math.isclose(spec.attention_scale, spec.head_dim ** -0.5)):
+        refuse(f"an attention scale of {spec.attention_scale:g}, not 1/sqrt(head_dim)")
+    for cap, key in ((spec.attention_softcap, "attn_logit_softcapping"), (spec.logit_softcap, "final_logit_softcapping")):
+        if cap is not None and key not in layout.config_keys:
+            refuse(f"a soft cap ({key})")
 
 
 def _metadata(w, spec: ModelSpec, layout: GgufLayout, vocab: GgufVocab, dtype: str, name: str, gguf,
@@ -171,6 +188,10 @@ def _metadata(w, spec: ModelSpec, layout: GgufLayout, vocab: GgufVocab, dtype: s
     w.add_vocab_size(spec.vocab_size)
     if len(set(spec.layer_windows)) == 1 and spec.layer_windows[0]:  # one window for every layer: declared, so
         w.add_sliding_window(spec.layer_windows[0])                   # a GGUF read back slides it too
+    elif layout.sliding_every and any(spec.layer_windows):  # llama.cpp's own layer pattern (check_spellable)
+        w.add_sliding_window(next(x for x in spec.layer_windows if x))
+    if spec.sliding_rope is not None:
+        w.add_rope_freq_base_swa(spec.sliding_rope.theta)
     if spec.rope.type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.rope.factor)

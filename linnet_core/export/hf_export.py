@@ -30,8 +30,21 @@ INDEX_NAME = "model.safetensors.index.json"
 
 def rope_fields(spec: ModelSpec) -> dict:
     """Rope settings in both spellings: `rope_parameters` (transformers 5) and `rope_theta` /
-    `rope_scaling` / `partial_rotary_factor` (the vLLM, SGLang and TGI releases in use)."""
-    r = spec.rope
+    `rope_scaling` / `partial_rotary_factor` (the vLLM, SGLang and TGI releases in use). Where the
+    sliding layers have a rope of their own, transformers 5 keys both by layer type, and the older
+    spelling gives theirs as `rope_local_base_freq`."""
+    out = _rope_fields(spec.rope)
+    if spec.sliding_rope is not None:
+        sliding = _rope_fields(spec.sliding_rope)
+        if sliding["rope_scaling"] is not None:
+            raise UnsupportedModel("the sliding layers' rope is scaled, which a transformers config cannot spell")
+        out["rope_parameters"] = {"full_attention": out["rope_parameters"],
+                                  "sliding_attention": sliding["rope_parameters"]}
+        out["rope_local_base_freq"] = spec.sliding_rope.theta
+    return out
+
+
+def _rope_fields(r) -> dict:
     if r.type == "freq_factors":
         raise UnsupportedModel("the model's rope is scaled by per-frequency factors (a GGUF's rope_freqs), which "
                                "a transformers config cannot spell", hint="export gguf keeps them; or use the "
@@ -125,7 +138,7 @@ def write_weights(model: Model, out: Path, dtype: str, max_shard_bytes: int) -> 
         def produce(members=members):
             for i in members:
                 p, layer = params[entries[i][0]]
-                yield materialize(p, layer, ckpt, torch_dtype(dtype))
+                yield materialize(p, layer, ckpt, torch_dtype(dtype), as_stored=True)
                 release_sources(p, layer, ckpt)  # written: its pages need not stay resident
 
         write_safetensors(out / fname, tensors, produce(), metadata={"format": "pt"})

@@ -76,6 +76,8 @@ class GgufCheckpoint(Checkpoint):
         self.tensors: dict[str, TensorInfo] = {}
         self._maps: dict[Path, mmap.mmap] = {}
         self._source: dict[str, tuple[str, int | None]] = {}  # hf name -> (GGUF type, permuted heads)
+        # llama.cpp stores Gemma's norms as 1 + weight, the value they scale by: the checkpoint's is the weight
+        self._shift: dict[str, float] = {}
         with GGUFFile(path) as g:
             for hf, (name, heads) in gguf_tensor_names(spec).items():
                 t = g.tensors.get(name)
@@ -87,6 +89,8 @@ class GgufCheckpoint(Checkpoint):
                 self.tensors[hf] = TensorInfo(name, Path(path), FLOAT_TYPES.get(t.type, torch.uint8), t.shape,
                                               t.offset, t.nbytes)
                 self._source[hf] = (t.type, heads)
+                if spec.norm_weight_offset and name.endswith("norm.weight"):
+                    self._shift[hf] = spec.norm_weight_offset
 
     def _raw(self, info: TensorInfo) -> torch.Tensor:
         return torch.frombuffer(self._mapped(info.file), dtype=torch.uint8, count=info.nbytes, offset=info.start)
@@ -100,6 +104,8 @@ class GgufCheckpoint(Checkpoint):
             w = dequantize(self._raw(info).view(info.shape[0], -1), BLOCK_FORMATS[gtype])
         else:
             w = torch.from_numpy(_dequantize_k(self._raw(info).numpy(), gtype, info.shape))
+        if name in self._shift:
+            w = w.float() - self._shift[name]
         return _unpermute(w, heads) if heads else w
 
     def blocks(self, name: str, fmt: str) -> torch.Tensor | None:

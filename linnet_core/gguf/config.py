@@ -79,6 +79,7 @@ def config_from_gguf(g: GGUFFile) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
+        "query_pre_attn_scalar": head_dim,  # llama.cpp scales scores by 1/sqrt(head_dim) where no key says else
         "rms_norm_eps": md.number(key("attention.layer_norm_rms_epsilon"), below=1.0),
         "rope_theta": md.number(key("rope.freq_base"), 10000.0, above=1.0),
         "partial_rotary_factor": rotary / head_dim,
@@ -88,6 +89,7 @@ def config_from_gguf(g: GGUFFile) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in g.tensors or "blk.0.attn_qkv.bias" in g.tensors,
         "mlp_bias": "blk.0.ffn_down.bias" in g.tensors,
         "bos_token_id": voc.bos if voc else None,
+        "pad_token_id": voc.padding if voc else None,  # not the config class's default, which may lie past the table
         "eos_token_id": voc.eos if voc else None,
     }
     if scaling == "linear":
@@ -105,8 +107,13 @@ def config_from_gguf(g: GGUFFile) -> dict[str, Any]:
             cfg[config_key] = md.number(key(name))
     if fam.GGUF.no_rope_every:  # llama.cpp's fixed NoPE layers, as the config's per-layer flags
         cfg["no_rope_layers"] = [int(i not in fam.GGUF.no_rope_layers(layers)) for i in range(layers)]
+    if fam.GGUF.sliding_rope_theta is not None:
+        cfg["rope_local_base_freq"] = md.number(key("rope.freq_base_swa"), fam.GGUF.sliding_rope_theta, above=1.0)
     window = md.count(key("attention.sliding_window"), 0, least=0, most=MAX_CONTEXT)
-    if window:
+    if window and fam.GGUF.sliding_every:  # llama.cpp's fixed pattern of sliding and full layers
+        cfg["sliding_window"] = window
+        cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in fam.GGUF.sliding_layers(layers)]
+    elif window:
         cfg["sliding_window"] = window
         cfg["use_sliding_window"] = True
         cfg["max_window_layers"] = 0  # a window a GGUF declares covers every layer

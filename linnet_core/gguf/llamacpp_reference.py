@@ -23,6 +23,16 @@ from ..errors import BackendUnavailable, CheckpointError
 from .llama_open import open_llama
 
 INSTALL = "pip install 'linnet[llamacpp]'"
+# What llama.cpp's CPU dot products round activations to, by the type of the GGUF's matrices.
+LLAMACPP_ACTIVATIONS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "int8", "Q4_0": "int8"}
+
+
+def llamacpp_activations(spec, weights: str) -> str:
+    """The rounding of a model's activations in llama.cpp on a file of `weights` (K-quants: "int8/256").
+    ggml's CPU gelu reads its result from a float16 table (GGML_GELU_FP16), so a gelu model computes
+    no finer than float16 there, whatever the file's type."""
+    rounding = LLAMACPP_ACTIVATIONS.get(weights, "int8/256")
+    return "float16" if rounding == "float32" and spec.hidden_act.startswith("gelu") else rounding
 
 
 class LlamaCppRefused(CheckpointError):

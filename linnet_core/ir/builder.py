@@ -36,8 +36,8 @@ class GraphBuilder:
         self.values[name] = Value(name, shape, dtype)
         return name
 
-    def param(self, name: str, shape: tuple[int, ...], *parts: str) -> str:
-        self._params[name] = Param(name, tuple(shape), tuple(parts))
+    def param(self, name: str, shape: tuple[int, ...], *parts: str, offset: float = 0.0) -> str:
+        self._params[name] = Param(name, tuple(shape), tuple(parts), offset)
         return name
 
     def shape(self, name: str) -> tuple:

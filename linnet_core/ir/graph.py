@@ -38,11 +38,13 @@ class Node:
 
 @dataclass
 class Param:
-    """A weight: concatenation on axis 0 of checkpoint tensors (`{i}` is the layer index)."""
+    """A weight: concatenation on axis 0 of checkpoint tensors (`{i}` is the layer index), plus `offset`
+    (Gemma's norms scale by 1 + the stored weight; llama.cpp's files store the sum, as this holds it)."""
 
     name: str
     shape: tuple[int, ...]
     parts: tuple[str, ...]
+    offset: float = 0.0
 
     def sources(self, layer: int | None = None) -> list[str]:
         return [p.format(i=layer) if layer is not None else p for p in self.parts]
@@ -93,7 +95,8 @@ class Graph:
             return {"op": n.op, "in": list(n.inputs), "out": list(n.outputs), "attrs": attrs}
 
         def params(ps: dict[str, Param]) -> dict:
-            return {n: {"shape": list(p.shape), "parts": list(p.parts)} for n, p in ps.items()}
+            return {n: {"shape": list(p.shape), "parts": list(p.parts), **({"offset": p.offset} if p.offset else {})}
+                    for n, p in ps.items()}
 
         return {
             "meta": self.meta,
@@ -123,7 +126,7 @@ class Graph:
             return Node(n["op"], tuple(n["in"]), tuple(n["out"]), attrs)
 
         def params(ps: dict) -> dict[str, Param]:
-            return {n: Param(n, tuple(p["shape"]), tuple(p["parts"])) for n, p in ps.items()}
+            return {n: Param(n, tuple(p["shape"]), tuple(p["parts"]), p.get("offset", 0.0)) for n, p in ps.items()}
 
         blk = d["block"]
         block = Block(blk["count"], blk["carry"], blk["result"], params(blk["params"]), [node(n) for n in blk["nodes"]],

@@ -60,7 +60,7 @@ def rope(x, cos, sin, *, apply=True):
     return np.concatenate([x_rot * c + rotated * s, x[..., rot:]], axis=-1)
 
 
-def attention(q, k, v, pos, slots, *index, scale, window, ragged, k_cache, v_cache, layer):
+def attention(q, k, v, pos, slots, *index, scale, window, softcap, ragged, k_cache, v_cache, layer):
     """Returns (out like q, k_cache, v_cache): every token's k, v written at its row and position
     first, then each token attends to the positions <= its own (within the window) of its row."""
     k_cache, v_cache = k_cache.copy(), v_cache.copy()
@@ -80,6 +80,8 @@ def attention(q, k, v, pos, slots, *index, scale, window, ragged, k_cache, v_cac
                 keys = k_cache[layer, rows[b, t], h // group, lo:p + 1].astype(np.float64)  # [n, D]
                 values = v_cache[layer, rows[b, t], h // group, lo:p + 1].astype(np.float64)
                 scores = keys @ q[b, t, h].astype(np.float64) * scale
+                if softcap is not None:
+                    scores = softcap * np.tanh(scores / softcap)
                 probs = np.exp(scores - scores.max())
                 out[b, t, h] = probs / probs.sum() @ values
     return out, k_cache, v_cache
@@ -104,6 +106,14 @@ def scale(x, *, factor):
     return x.astype(np.float64) * factor
 
 
+def softcap(x, *, cap):
+    return cap * np.tanh(x.astype(np.float64) / cap)
+
+
+def pick(*xs, index):
+    return xs[index]
+
+
 def add(a, b):
     return a + b
 
@@ -122,5 +132,5 @@ def argmax(logits, *, all_logits=False, last=None):
 REFERENCES = {
     "positions": positions, "rope_table": rope_table, "embedding": embedding, "rms_norm": rms_norm,
     "linear": linear, "split": split, "reshape": reshape, "rope": rope, "attention": attention,
-    "silu": silu, "gelu": gelu, "mul": mul, "scale": scale, "add": add, "last_token": last_token, "argmax": argmax,
+    "silu": silu, "gelu": gelu, "mul": mul, "scale": scale, "softcap": softcap, "pick": pick, "add": add, "last_token": last_token, "argmax": argmax,
 }

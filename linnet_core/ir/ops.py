@@ -81,7 +81,7 @@ RAGGED_INDEX = 6  # d_slots, d_kv_len, p_slots, p_index, p_pack, p_kv_len (see i
 
 
 def _attention(q: Shape, k: Shape, v: Shape, pos: Shape, slots: Shape, *index: Shape, scale: float, window,
-               ragged: bool) -> list[Shape]:
+               softcap, ragged: bool) -> list[Shape]:
     _same(k, v)
     _same(q[:2], k[:2], pos)
     _same(q[-1:], k[-1:])
@@ -105,6 +105,13 @@ def _attention(q: Shape, k: Shape, v: Shape, pos: Shape, slots: Shape, *index: S
 
 def _unary(x: Shape, **_) -> list[Shape]:
     return [x]
+
+
+def _pick(*xs: Shape, index: int) -> list[Shape]:
+    _same(*xs)
+    if not 0 <= index < len(xs):
+        raise IRError(f"pick: index {index} of {len(xs)} inputs")
+    return [xs[0]]
 
 
 def _binary(a: Shape, b: Shape) -> list[Shape]:
@@ -151,15 +158,19 @@ OPS: dict[str, OpDef] = {
                   doc="rotate the first rotary_dim features of each head (rotate-half layout); "
                       "on a layer whose `apply` is false, x unchanged (a per-layer attribute: NoPE layers)"),
     "attention": OpDef(
-        _attention, 5, optional=RAGGED_INDEX, attrs=("scale", "window", "ragged"), in_block_only=True,
-        defaults={"window": None, "ragged": False},
-        doc="write k, v into this layer's cache rows at pos, attend causally (GQA, optional window); "
+        _attention, 5, optional=RAGGED_INDEX, attrs=("scale", "window", "softcap", "ragged"), in_block_only=True,
+        defaults={"window": None, "softcap": None, "ragged": False},
+        doc="write k, v into this layer's cache rows at pos, attend causally (GQA, optional window; "
+            "softcap: scores become cap * tanh(scores / cap) before the mask); "
             "ragged: the step's tokens from many rows, attended in two groups (see ir.ragged)",
     ),
     "silu": OpDef(_unary, 1),
     "gelu": OpDef(_unary, 1, attrs=("approximate",)),
     "mul": OpDef(_binary, 2),
     "scale": OpDef(_unary, 1, attrs=("factor",), doc="x * factor, a constant of the model's config, in float32"),
+    "softcap": OpDef(_unary, 1, attrs=("cap",), doc="cap * tanh(x / cap), in float32: logits held below cap"),
+    "pick": OpDef(_pick, 2, optional=2, attrs=("index",),
+                  doc="the input numbered `index` (a per-layer attribute: each layer's own rope table)"),
     "add": OpDef(_binary, 2),
     "last_token": OpDef(_last_token, 1, optional=1, attrs=("ragged",), defaults={"ragged": False},
                         doc="x[:, -1:] unless all positions' logits are asked for; ragged: x[0, logits_index, None]"),

@@ -27,6 +27,9 @@ class GgufLayout:
     `config_keys`: llama.cpp's number keys (after `{arch}.`) that carry config.json fields, both ways.
     `no_rope_every`: llama.cpp skips rope on every n-th layer of this architecture (its NoPE layers are
     fixed, not read from the file); 0 where it never does.
+    `sliding_every`: llama.cpp slides the file's window on every layer but each n-th (its pattern is
+    fixed too); 0 where one window, if any, covers every layer. `sliding_rope_theta`: the rope base
+    llama.cpp gives those sliding layers, where theirs is their own.
     """
 
     arch: str
@@ -35,10 +38,16 @@ class GgufLayout:
     name_needs_tokens: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
     config_keys: dict[str, str] = field(default_factory=dict)
     no_rope_every: int = 0
+    sliding_every: int = 0
+    sliding_rope_theta: float | None = None
 
     def no_rope_layers(self, num_layers: int) -> tuple[int, ...]:
         """The layers llama.cpp runs without rope."""
         return tuple(i for i in range(num_layers) if self.no_rope_every and (i + 1) % self.no_rope_every == 0)
+
+    def sliding_layers(self, num_layers: int) -> tuple[bool, ...]:
+        """Which layers llama.cpp slides the window on (every one, where it has no pattern)."""
+        return tuple(not self.sliding_every or (i + 1) % self.sliding_every != 0 for i in range(num_layers))
 
 
 GLOBAL_ROLES = ("token_embd.weight", "output_norm.weight", "output.weight")  # output: absent when tied
@@ -95,6 +104,9 @@ def build_decoder(spec: ModelSpec, names: dict[str, str]) -> Graph:
     slots = b.input("slots", ("B",), "i64")
     pos = b.op("positions", [start, ids], "pos")
     cos, sin = b.op("rope_table", [pos], ["rope_cos", "rope_sin"], rope=asdict(spec.rope), rotary_dim=spec.rotary_dim)
+    if spec.sliding_rope is not None:  # a second table, for the sliding-window layers
+        tables = (cos, sin), tuple(b.op("rope_table", [pos], ["rope_cos_sliding", "rope_sin_sliding"],
+                                        rope=asdict(spec.sliding_rope), rotary_dim=spec.rotary_dim))
     table = b.param("token_embd.weight", (V, H), names["token_embd.weight"])
     x = b.op("embedding", [ids, table], "x")
     if spec.embedding_scale != 1.0:
@@ -111,8 +123,8 @@ def build_decoder(spec: ModelSpec, names: dict[str, str]) -> Graph:
         """`inp` normed by the role's weight, or `inp` itself where the family has no such norm."""
         if f"{role}.weight" not in names:
             return inp
-        return b.op("rms_norm", [inp, b.param(f"{role}.weight", (width,), names[f"{role}.weight"])], out,
-                    eps=spec.rms_norm_eps)
+        weight = b.param(f"{role}.weight", (width,), names[f"{role}.weight"], offset=spec.norm_weight_offset)
+        return b.op("rms_norm", [inp, weight], out, eps=spec.rms_norm_eps)
 
     def joined(residual: str, branch: str, post_norm: str, out: str) -> str:
         """A branch's output (normed after, where the family does; scaled, where its config says) added
@@ -124,7 +136,13 @@ def build_decoder(spec: ModelSpec, names: dict[str, str]) -> Graph:
 
     windows = {"window": spec.layer_windows}
     rope_layers = {"rope": tuple(i not in spec.no_rope_layers for i in range(L))} if spec.no_rope_layers else {}
+    if spec.sliding_rope is not None:
+        rope_layers["rope_table"] = tuple(int(w is not None) for w in spec.layer_windows)
     b.begin_block(L, x, **windows, **rope_layers)
+    if spec.sliding_rope is not None:  # each layer's own table, picked first (the attention block reads it)
+        (cos_full, sin_full), (cos_sliding, sin_sliding) = tables
+        cos = b.op("pick", [cos_full, cos_sliding], "rope_cos_layer", index=LayerAttr("rope_table"))
+        sin = b.op("pick", [sin_full, sin_sliding], "rope_sin_layer", index=LayerAttr("rope_table"))
     h = norm(x, "attn_norm", H, "h")
     if "attn_qkv.weight" in names:
         qkv = linear(h, "attn_qkv", (nh + 2 * kvh) * hd, H, "qkv")
@@ -142,11 +160,12 @@ def build_decoder(spec: ModelSpec, names: dict[str, str]) -> Graph:
     if spec.qk_norm_over == "head":
         q = norm(q, "attn_q_norm", hd, "q_normed")
         k = norm(k, "attn_k_norm", hd, "k_normed")
-    rope_gate = {"apply": LayerAttr("rope")} if rope_layers else {}
+    rope_gate = {"apply": LayerAttr("rope")} if spec.no_rope_layers else {}
     q = b.op("rope", [q, cos, sin], "q_rot", **rope_gate)
     k = b.op("rope", [k, cos, sin], "k_rot", **rope_gate)
     scale = spec.attention_scale if spec.attention_scale is not None else hd**-0.5
-    a = b.op("attention", [q, k, v, pos, slots], "attn", scale=scale, window=LayerAttr("window"))
+    softcap = {"softcap": spec.attention_softcap} if spec.attention_softcap is not None else {}
+    a = b.op("attention", [q, k, v, pos, slots], "attn", scale=scale, window=LayerAttr("window"), **softcap)
     a = b.op("reshape", [a], "attn_flat", shape=["B", "T", nh * hd])
     o = linear(a, "attn_output", H, nh * hd, "attn_out")
     x1 = joined(x, o, "post_attention_norm", "x_attn")
@@ -173,6 +192,8 @@ def build_decoder(spec: ModelSpec, names: dict[str, str]) -> Graph:
     logits = b.op("linear", [normed, b.param("output.weight", (V, H), head_source)], "logits")
     if spec.logit_scale != 1.0:
         logits = b.op("scale", [logits], "logits_scaled", factor=spec.logit_scale)
+    if spec.logit_softcap is not None:
+        logits = b.op("softcap", [logits], "logits_capped", cap=spec.logit_softcap)
     nxt = b.op("argmax", [logits], "next_token")
     return b.finish((nxt, logits), CacheLayout(L, kvh, hd))
 

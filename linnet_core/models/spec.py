@@ -56,6 +56,10 @@ class ModelSpec:
     residual_scale: float = 1.0  # each block branch's output times this before it joins the residual
     attention_scale: float | None = None  # the scores' scale; None: 1 / sqrt(head_dim)
     logit_scale: float = 1.0  # the logits times this
+    norm_weight_offset: float = 0.0  # each norm scales by its weight plus this (Gemma: 1)
+    attention_softcap: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
+    logit_softcap: float | None = None  # the logits likewise
+    sliding_rope: RopeSpec | None = None  # the rope of sliding-window layers, where theirs differs (Gemma 3)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -76,9 +80,12 @@ class ModelSpec:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ModelSpec":
         """The spec `to_json` wrote (lists back to tuples, the rope back to its record)."""
-        rope = RopeSpec(**{**d["rope"], "freq_factors": tuple(d["rope"].get("freq_factors", ()))})
-        return cls(**{**d, "rope": rope, "layer_windows": tuple(d["layer_windows"]),
-                      "eos_token_ids": tuple(d["eos_token_ids"]), "no_rope_layers": tuple(d.get("no_rope_layers", ()))})
+        def rope(r: dict | None) -> RopeSpec | None:
+            return None if r is None else RopeSpec(**{**r, "freq_factors": tuple(r.get("freq_factors", ()))})
+
+        return cls(**{**d, "rope": rope(d["rope"]), "sliding_rope": rope(d.get("sliding_rope")),
+                      "layer_windows": tuple(d["layer_windows"]), "eos_token_ids": tuple(d["eos_token_ids"]),
+                      "no_rope_layers": tuple(d.get("no_rope_layers", ()))})
 
 
 def require(cfg: dict, *keys: str) -> Any:
