@@ -48,6 +48,14 @@ SEEDS = {
         rope_parameters=dict(rope_type="default", rope_theta=1000000.0), sliding_window=None,
         tie_word_embeddings=False, vocab_size=32768, hidden_act="silu",
     ), "spm"),
+    "gemma-3-4b-it": ("Gemma3TextConfig", dict(  # the text model of gemma-3-4b-it, as Gemma3ForCausalLM
+        hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, max_position_embeddings=131072,
+        rms_norm_eps=1e-6, sliding_window=1024, vocab_size=262208, hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True, pad_token_id=0,
+        rope_parameters={"full_attention": dict(rope_type="linear", rope_theta=1000000.0, factor=8.0),
+                         "sliding_attention": dict(rope_type="default", rope_theta=10000.0)},
+    ), "spm"),
 }
 # The draft for qwen3-4b in the speculative-decoding bench: Qwen3-0.6B's sizes, the rest (tokenizer,
 # vocabulary, rope, tied head) qwen3-4b's.
@@ -70,6 +78,8 @@ def seed_config(name: str, tiny: bool = False):
             fields["sliding_window"] = 8
         if "max_window_layers" in fields:
             fields["max_window_layers"] = TINY["num_hidden_layers"]
+        if "query_pre_attn_scalar" in fields:  # the query scale follows the head width, as the full model's
+            fields["query_pre_attn_scalar"] = TINY["head_dim"]
     return getattr(transformers, cls)(**fields, dtype="bfloat16")
 
 

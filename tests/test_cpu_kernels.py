@@ -463,10 +463,10 @@ def test_the_attention_block_leaves_prompt_chunks_to_the_lines(ext):
     caches = [torch.zeros(1, 1, 1, 8, 16) for _ in range(2)]
     index = (torch.zeros(0, dtype=torch.long), 1, torch.tensor([0]), torch.arange(4)[None], torch.arange(4), 4)
     helper = selfcheck.generic("attention_block")
-    got = helper(qkv, 2, 1, 16, None, None, None, cos, sin, pos, rows, *index, *caches, 0, None, 0.25,
+    got = helper(qkv, 2, 1, 16, None, None, None, cos, sin, pos, rows, *index, *caches, 0, None, 0.25, True,
                  StepKernels(attention_block=refuse))
     want = helper(qkv, 2, 1, 16, None, None, None, cos, sin, pos, rows, *index,
-                  *[torch.zeros(1, 1, 1, 8, 16) for _ in range(2)], 0, None, 0.25, None)
+                  *[torch.zeros(1, 1, 1, 8, 16) for _ in range(2)], 0, None, 0.25, True, None)
     assert torch.equal(got, want)
 
 

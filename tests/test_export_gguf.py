@@ -150,6 +150,27 @@ def test_nope_layers_llama_cpp_cannot_place_are_refused(tmp_path):
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
 
 
+def test_what_llama_cpp_fixes_for_an_architecture_must_match():
+    """llama.cpp derives Gemma's query scale from the head width and fixes its sliding pattern and the
+    sliding layers' rope base: a config that differs is refused before a file is written."""
+    from linnet_core.export.gguf_export import check_spellable
+    from linnet_core.models import spec_from_config
+
+    base = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "vocab_size": 100, "sliding_window": 8, "query_pre_attn_scalar": 16}
+    check_spellable(spec_from_config({**base, "model_type": "gemma2", "num_hidden_layers": 4}))
+    check_spellable(spec_from_config({**base, "model_type": "gemma3_text", "num_hidden_layers": 6}))
+    refused = {"an attention scale of 0.0625": {"model_type": "gemma2", "num_hidden_layers": 4,
+                                                "query_pre_attn_scalar": 256},
+               "not llama.cpp's fixed pattern": {"model_type": "gemma3_text", "num_hidden_layers": 6,
+                                                 "sliding_window_pattern": 2},
+               "sliding layers' rope": {"model_type": "gemma3_text", "num_hidden_layers": 6,
+                                        "rope_local_base_freq": 5000.0}}
+    for message, cfg in refused.items():
+        with pytest.raises(UnsupportedModel, match=message):
+            check_spellable(spec_from_config({**base, **cfg}))
+
+
 def test_every_dtype_decodes_close_to_the_source(tokenized_checkpoints, tmp_path):
     src = tokenized_checkpoints["qwen3-headdim128"]
     w = Checkpoint.from_folder(src).get("model.layers.0.mlp.down_proj.weight").float().numpy()

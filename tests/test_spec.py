@@ -7,7 +7,7 @@ import json
 import pytest
 from family_fixtures import CASES, to_legacy
 
-from linnet_core.errors import UnsupportedModel
+from linnet_core.errors import CheckpointError, UnsupportedModel
 from linnet_core.models import MODEL_TYPES, load_spec, spec_from_config
 
 
@@ -51,6 +51,47 @@ def test_qwen2_legacy_window_follows_max_window_layers():
     assert spec_from_config(cfg).layer_windows == (None, None, 16, 16)
     cfg["use_sliding_window"] = False
     assert spec_from_config(cfg).layer_windows == (None,) * 4
+
+
+def test_new_families_features_are_read(checkpoints):
+    granite = load_spec(checkpoints["granite-multipliers"])
+    assert (granite.embedding_scale, granite.residual_scale, granite.attention_scale, granite.logit_scale) == \
+        (4.0, 0.5, 0.3, 0.5)
+    olmo2 = load_spec(checkpoints["olmo2-post-norms"])
+    assert olmo2.qk_norm and olmo2.qk_norm_over == "projection"
+    assert load_spec(checkpoints["smollm3-nope"]).no_rope_layers == (3,)
+    gemma2 = load_spec(checkpoints["gemma2-softcaps"])
+    assert (gemma2.attention_softcap, gemma2.logit_softcap, gemma2.norm_weight_offset) == (3.0, 4.0, 1.0)
+    assert gemma2.layer_windows == (8, None) and gemma2.hidden_act == "gelu_pytorch_tanh"
+    gemma3 = load_spec(checkpoints["gemma3-local-global"])
+    assert gemma3.layer_windows == (8,) * 5 + (None,)
+    assert (gemma3.rope.type, gemma3.rope.theta, gemma3.rope.factor) == ("linear", 1e6, 8.0)
+    assert (gemma3.sliding_rope.type, gemma3.sliding_rope.theta) == ("default", 1e4)
+
+
+GEMMA = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 16, "vocab_size": 100, "sliding_window": 8}
+
+
+def test_gemma_configs_before_layer_types_slide_by_their_pattern():
+    """transformers 4's Gemma 2 slid even layers; Gemma 3 all but each `sliding_window_pattern`-th, with
+    the sliding layers' rope base in `rope_local_base_freq`."""
+    g2 = spec_from_config({**GEMMA, "model_type": "gemma2", "num_hidden_layers": 4, "query_pre_attn_scalar": 256})
+    assert g2.layer_windows == (8, None, 8, None) and g2.attention_scale == 256 ** -0.5 and g2.tie_word_embeddings
+    g3 = spec_from_config({**GEMMA, "model_type": "gemma3_text", "num_hidden_layers": 4, "sliding_window_pattern": 2,
+                           "rope_theta": 1e6, "rope_local_base_freq": 5e3, "rope_scaling": {"rope_type": "linear",
+                                                                                             "factor": 8.0}})
+    assert g3.layer_windows == (8, None, 8, None)
+    assert (g3.rope.theta, g3.rope.type, g3.sliding_rope.theta, g3.sliding_rope.type) == (1e6, "linear", 5e3, "default")
+
+
+def test_smollm3_no_rope_layers_are_checked():
+    cfg = {**GEMMA, "model_type": "smollm3", "num_hidden_layers": 4}
+    assert spec_from_config(cfg).no_rope_layers == (3,)  # every 4th, as transformers' default interval
+    assert spec_from_config({**cfg, "no_rope_layer_interval": 2}).no_rope_layers == (1, 3)
+    assert spec_from_config({**cfg, "no_rope_layers": [0, 1, 1, 1]}).no_rope_layers == (0,)
+    with pytest.raises(CheckpointError, match="'no_rope_layers' must list 0 or 1 for each of the 4 layers"):
+        spec_from_config({**cfg, "no_rope_layers": [1, 1]})
 
 
 def test_unsupported_model_type_is_refused_by_name():
