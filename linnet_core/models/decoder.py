@@ -105,8 +105,8 @@ def build_decoder(spec: ModelSpec, names: dict[str, str]) -> Graph:
     pos = b.op("positions", [start, ids], "pos")
     cos, sin = b.op("rope_table", [pos], ["rope_cos", "rope_sin"], rope=asdict(spec.rope), rotary_dim=spec.rotary_dim)
     if spec.sliding_rope is not None:  # a second table, for the sliding-window layers
-        tables = (cos, sin), tuple(b.op("rope_table", [pos], ["rope_cos_sliding", "rope_sin_sliding"],
-                                        rope=asdict(spec.sliding_rope), rotary_dim=spec.rotary_dim))
+        cos_sliding, sin_sliding = b.op("rope_table", [pos], ["rope_cos_sliding", "rope_sin_sliding"],
+                                        rope=asdict(spec.sliding_rope), rotary_dim=spec.rotary_dim)
     table = b.param("token_embd.weight", (V, H), names["token_embd.weight"])
     x = b.op("embedding", [ids, table], "x")
     if spec.embedding_scale != 1.0:
@@ -134,15 +134,13 @@ def build_decoder(spec: ModelSpec, names: dict[str, str]) -> Graph:
             branch = b.op("scale", [branch], f"{branch}_scaled", factor=spec.residual_scale)
         return b.op("add", [residual, branch], out)
 
-    windows = {"window": spec.layer_windows}
     rope_layers = {"rope": tuple(i not in spec.no_rope_layers for i in range(L))} if spec.no_rope_layers else {}
     if spec.sliding_rope is not None:
         rope_layers["rope_table"] = tuple(int(w is not None) for w in spec.layer_windows)
-    b.begin_block(L, x, **windows, **rope_layers)
+    b.begin_block(L, x, window=spec.layer_windows, **rope_layers)
     if spec.sliding_rope is not None:  # each layer's own table, picked first (the attention block reads it)
-        (cos_full, sin_full), (cos_sliding, sin_sliding) = tables
-        cos = b.op("pick", [cos_full, cos_sliding], "rope_cos_layer", index=LayerAttr("rope_table"))
-        sin = b.op("pick", [sin_full, sin_sliding], "rope_sin_layer", index=LayerAttr("rope_table"))
+        cos = b.op("pick", [cos, cos_sliding], "rope_cos_layer", index=LayerAttr("rope_table"))
+        sin = b.op("pick", [sin, sin_sliding], "rope_sin_layer", index=LayerAttr("rope_table"))
     h = norm(x, "attn_norm", H, "h")
     if "attn_qkv.weight" in names:
         qkv = linear(h, "attn_qkv", (nh + 2 * kvh) * hd, H, "qkv")
