@@ -15,7 +15,8 @@ from test_cli import assert_one_line_error, invoke
 pytest.importorskip("gguf")
 
 from linnet_core.compile import load_model, open_model  # noqa: E402
-from linnet_core.export.gguf_export import export_gguf  # noqa: E402
+from linnet_core.export.gguf_export import export_gguf, gguf_context_length  # noqa: E402
+from linnet_core.models import gguf_layout  # noqa: E402
 from linnet_core.gguf.reader import read_gguf  # noqa: E402
 from linnet_core.check.roundtrip import SAMPLE_TEXT  # noqa: E402
 from linnet_core.tokenizer import Tokenizer  # noqa: E402
@@ -54,11 +55,16 @@ def test_the_spec_read_from_a_gguf_is_the_checkpoints(case, exported, tokenized_
     src, got = open_model(tokenized_checkpoints[case]).spec, open_model(exported(case)).spec
     assert got.family == src.family and got.dtype == "float32"
     same = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-            "rope", "tie_word_embeddings", "qk_norm", "qkv_bias", "o_bias", "mlp_bias")
+            "rope", "tie_word_embeddings", "qk_norm", "qkv_bias", "o_bias", "mlp_bias", "qk_norm_over",
+            "no_rope_layers", "sliding_rope", "norm_weight_offset", "hidden_act")
     assert {k: getattr(got, k) for k in same} == {k: getattr(src, k) for k in same}
-    assert got.rms_norm_eps == pytest.approx(src.rms_norm_eps)
-    # A GGUF declares a sliding window's length as its context (see export.gguf_context_length).
-    assert got.max_position_embeddings == min([src.max_position_embeddings] + [w for w in src.layer_windows if w])
+    numbers = ("rms_norm_eps", "embedding_scale", "residual_scale", "attention_scale", "logit_scale",
+               "attention_softcap", "logit_softcap")  # float32 keys: within float32's rounding
+    assert {k: getattr(got, k) for k in numbers} == {k: pytest.approx(getattr(src, k)) for k in numbers}
+    # A GGUF declares a sliding window's length as its context where llama.cpp would attend past it
+    # (see export.gguf_context_length); Gemma's sliding layers it knows, and keeps per layer.
+    assert got.max_position_embeddings == gguf_context_length(src)
+    assert got.layer_windows == src.layer_windows or not gguf_layout(src).sliding_every
 
 
 @pytest.mark.parametrize("case", FAMILY_CASES + ["llama-llama3-rope"])  # the last: rope by a rope_freqs tensor
@@ -279,6 +285,21 @@ def test_verify_cli_on_a_gguf(exported):
     r = invoke("verify", exported("qwen2-bias-tied"), "--backend", "torch", "--dtype", "float32", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["passed"]
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("case", ["gemma2-softcaps", "gemma3-local-global", "smollm3-nope"])
+def test_what_llama_cpp_fixes_per_layer_agrees_past_the_window(case, exported):
+    """Gemma's sliding layers (window 8) and Gemma 3's rope for them, SmolLM3's NoPE layer: llama.cpp
+    fixes these by architecture, so Linnet on the file and llama.cpp on it agree over a prompt well
+    past the window, and the file declares the model's whole context."""
+    from linnet_core.check.verify import verify
+
+    with read_gguf(exported(case)) as g:
+        arch = g.metadata["general.architecture"]
+        assert g.metadata[f"{arch}.context_length"] == 256
+    r = verify(exported(case), "torch", "float32", steps=8, prompt=SAMPLE_TEXT)
+    assert r.passed and r.prompt_tokens > 24 and r.tokens_match, r
 
 
 @needs_llama_cpp

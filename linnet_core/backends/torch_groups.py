@@ -69,8 +69,9 @@ def _attention_block(b: _Block, att: Node) -> Group | None:
     q_rot, k_rot, v_heads, pos, slots, *index = att.inputs
     rq, rk = b.made_by(q_rot, "rope"), b.made_by(k_rot, "rope")
     flat = b.readers[att.outputs[0]]
-    if (rq is None or rk is None or rq.inputs[1:] != rk.inputs[1:] or rq.attrs.get("apply", True) != rk.attrs.get("apply", True)
-            or len(flat) != 1 or flat[0].op != "reshape"):
+    if rq is None or rk is None or rq.inputs[1:] != rk.inputs[1:] or len(flat) != 1 or flat[0].op != "reshape":
+        return None
+    if rq.attrs.get("apply", True) != rk.attrs.get("apply", True):  # one rope switch serves both
         return None
     norms, heads = [], []
     for x in (rq.inputs[0], rk.inputs[0]):

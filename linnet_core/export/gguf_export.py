@@ -140,9 +140,10 @@ def _tensor(name: str, shape: tuple[int, ...], qtype, weight: Callable[[], torch
 
 
 def gguf_context_length(spec: ModelSpec) -> int:
-    """The context a GGUF declares. llama.cpp attends over the whole context where a checkpoint
-    slides a window, so the two agree only up to the smallest window: that is the context declared."""
-    windows = [x for x in spec.layer_windows if x]
+    """The context a GGUF declares. Outside the architectures whose sliding layers llama.cpp knows
+    (`sliding_every`), llama.cpp attends over the whole context where a checkpoint slides a window,
+    so the two agree only up to the smallest window: that is the context declared."""
+    windows = [x for x in spec.layer_windows if x] if not gguf_layout(spec).sliding_every else []
     return min([spec.max_position_embeddings] + windows)
 
 
@@ -167,7 +168,8 @@ def check_spellable(spec: ModelSpec) -> None:
     if (spec.attention_scale is not None and "attention.scale" not in layout.config_keys
             and not math.isclose(spec.attention_scale, spec.head_dim ** -0.5)):
         refuse(f"an attention scale of {spec.attention_scale:g}, not 1/sqrt(head_dim)")
-    for cap, key in ((spec.attention_softcap, "attn_logit_softcapping"), (spec.logit_softcap, "final_logit_softcapping")):
+    caps = {"attn_logit_softcapping": spec.attention_softcap, "final_logit_softcapping": spec.logit_softcap}
+    for key, cap in caps.items():
         if cap is not None and key not in layout.config_keys:
             refuse(f"a soft cap ({key})")
 

@@ -132,5 +132,6 @@ def argmax(logits, *, all_logits=False, last=None):
 REFERENCES = {
     "positions": positions, "rope_table": rope_table, "embedding": embedding, "rms_norm": rms_norm,
     "linear": linear, "split": split, "reshape": reshape, "rope": rope, "attention": attention,
-    "silu": silu, "gelu": gelu, "mul": mul, "scale": scale, "softcap": softcap, "pick": pick, "add": add, "last_token": last_token, "argmax": argmax,
+    "silu": silu, "gelu": gelu, "mul": mul, "scale": scale, "softcap": softcap, "pick": pick, "add": add,
+    "last_token": last_token, "argmax": argmax,
 }

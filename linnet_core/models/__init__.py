@@ -22,7 +22,8 @@ from .spec import ModelSpec
 FAMILY_CONTRACT = ("MODEL_TYPE", "ALIASES", "HF_ARCHITECTURES", "GGUF", "parse_config", "weight_names")
 OPTIONAL_CONTRACT = ("build_graph",)
 
-FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (llama, qwen2, qwen3, phi3, granite, olmo2, smollm3, gemma2, gemma3)}
+FAMILIES: dict[str, ModuleType] = {
+    m.MODEL_TYPE: m for m in (llama, qwen2, qwen3, phi3, granite, olmo2, smollm3, gemma2, gemma3)}
 MODEL_TYPES: dict[str, ModuleType] = {
     **FAMILIES, **{alias: m for m in FAMILIES.values() for alias in m.ALIASES}
 }
