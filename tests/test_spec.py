@@ -94,6 +94,42 @@ def test_smollm3_no_rope_layers_are_checked():
         spec_from_config({**cfg, "no_rope_layers": [1, 1]})
 
 
+# The published configs (their fields that Linnet reads, verbatim), as downloaded checkpoints carry them.
+GEMMA3_1B = {"architectures": ["Gemma3ForCausalLM"], "attn_logit_softcapping": None, "bos_token_id": 2,
+             "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": 256,
+             "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "intermediate_size": 6912,
+             "max_position_embeddings": 32768, "model_type": "gemma3_text", "num_attention_heads": 4,
+             "num_hidden_layers": 26, "num_key_value_heads": 1, "pad_token_id": 0, "query_pre_attn_scalar": 256,
+             "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000,
+             "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "vocab_size": 262144}
+GEMMA2_2B = {"architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": 50.0, "bos_token_id": 2,
+             "eos_token_id": [1, 107], "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+             "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304, "intermediate_size": 9216,
+             "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 8, "num_hidden_layers": 26,
+             "num_key_value_heads": 4, "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+             "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32", "vocab_size": 256000}
+GRANITE_2B = {"architectures": ["GraniteForCausalLM"], "attention_bias": False, "attention_multiplier": 0.015625,
+              "embedding_multiplier": 12.0, "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 8192,
+              "logits_scaling": 8.0, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "granite",
+              "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8, "residual_multiplier": 0.22,
+              "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000000.0, "tie_word_embeddings": True,
+              "torch_dtype": "bfloat16", "vocab_size": 49159}
+
+
+def test_published_configs_of_the_new_families_are_read():
+    g3 = spec_from_config(GEMMA3_1B)
+    assert g3.layer_windows == ((512,) * 5 + (None,)) * 4 + (512,) * 2  # 26 layers: 5 sliding to each full one
+    assert (g3.rope.theta, g3.sliding_rope.theta, g3.attention_scale, g3.embedding_scale) == \
+        (1e6, 1e4, 256 ** -0.5, 1152 ** 0.5)
+    assert g3.tie_word_embeddings and g3.qk_norm and g3.eos_token_ids == (1, 106)
+    g2 = spec_from_config(GEMMA2_2B)
+    assert g2.layer_windows[:4] == (4096, None, 4096, None) and g2.sliding_rope is None
+    assert (g2.attention_softcap, g2.logit_softcap, g2.norm_weight_offset) == (50.0, 30.0, 1.0)
+    granite = spec_from_config(GRANITE_2B)
+    assert (granite.embedding_scale, granite.residual_scale, granite.attention_scale, granite.logit_scale) == \
+        (12.0, 0.22, 0.015625, 0.125)
+
+
 def test_unsupported_model_type_is_refused_by_name():
     with pytest.raises(UnsupportedModel) as e:
         spec_from_config({"model_type": "gpt2", "hidden_size": 8})

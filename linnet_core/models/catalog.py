@@ -23,6 +23,8 @@ CATALOG: dict[str, KnownModel] = {
     "llama-3.2-1b-instruct": KnownModel("meta-llama/Llama-3.2-1B-Instruct", "llama", "1.2B"),
     "llama-3.1-8b-instruct": KnownModel("meta-llama/Llama-3.1-8B-Instruct", "llama", "8.0B"),
     "tinyllama-1.1b-chat": KnownModel("TinyLlama/TinyLlama-1.1B-Chat-v1.0", "llama", "1.1B"),
+    "gemma-2-2b-it": KnownModel("google/gemma-2-2b-it", "gemma2", "2.6B"),
+    "gemma-3-1b-it": KnownModel("google/gemma-3-1b-it", "gemma3_text", "1.0B"),
     "smollm3-3b": KnownModel("HuggingFaceTB/SmolLM3-3B", "smollm3", "3.1B"),
     "granite-3.3-2b-instruct": KnownModel("ibm-granite/granite-3.3-2b-instruct", "granite", "2.5B"),
     "granite-3.3-8b-instruct": KnownModel("ibm-granite/granite-3.3-8b-instruct", "granite", "8.2B"),
