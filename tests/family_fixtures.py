@@ -90,6 +90,28 @@ FAMILY_CASES = ["llama-gqa-untied", "mistral-window", "qwen2-bias-tied", "qwen3-
                 "granite-multipliers", "olmo2-post-norms", "smollm3-nope", "gemma2-softcaps", "gemma3-local-global"]
 
 
+def make_multimodal_gemma3(folder: Path, vocab_size: int) -> Path:
+    """gemma-3-4b-it's layout at test size: Gemma3ForConditionalGeneration, a vision tower beside the
+    language model, the decoder's settings under text_config and its tensors under language_model."""
+    import torch
+    import transformers
+
+    text = {**SMALL, **next(c for c in CASES if c.id == "gemma3-local-global").kwargs, "vocab_size": vocab_size}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=vocab_size - 4, boi_token_index=vocab_size - 3,
+                                       eoi_token_index=vocab_size - 2)
+    torch.manual_seed(3)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    model.eval().save_pretrained(folder)
+    return folder
+
+
 def to_legacy(cfg: dict) -> dict:
     """The pre-transformers-5 spelling of a config: rope_theta / rope_scaling / torch_dtype."""
     cfg = dict(cfg)

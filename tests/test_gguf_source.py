@@ -288,6 +288,31 @@ def test_verify_cli_on_a_gguf(exported):
 
 
 @needs_llama_cpp
+def test_a_multimodal_checkpoints_language_model_runs_and_exports(tmp_path):
+    """gemma-3-4b-it's layout (text_config, tensors under language_model., a vision tower): its language
+    model verifies against transformers' Gemma3ForConditionalGeneration, and exports as a text model to
+    Hugging Face (transformers checks it) and to GGUF (llama.cpp checks it)."""
+    from family_fixtures import TOKENIZED_VOCAB, make_multimodal_gemma3
+    from tokenizer_fixtures import write_tokenizer
+
+    from linnet_core.check.verify import verify
+    from linnet_core.export.hf_export import export_hf
+
+    src = make_multimodal_gemma3(tmp_path / "mm", TOKENIZED_VOCAB)
+    write_tokenizer(src, "spm", TOKENIZED_VOCAB)
+    spec = open_model(src).spec
+    assert (spec.model_type, spec.weight_prefix) == ("gemma3_text", "language_model.")
+    assert spec.layer_windows == (8,) * 5 + (None,)
+    r = verify(src, "torch", "float32", steps=8)
+    assert r.passed and r.distance <= 1e-4 and r.tokens_match, r
+    hf = export_hf(src, tmp_path / "hf")
+    assert hf.check.passed
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"] and "vision_config" not in config
+    assert export_gguf(src, tmp_path / "m.gguf", "f32", consumer="llama.cpp").check.passed
+
+
+@needs_llama_cpp
 @pytest.mark.parametrize("case", ["gemma2-softcaps", "gemma3-local-global", "smollm3-nope"])
 def test_what_llama_cpp_fixes_per_layer_agrees_past_the_window(case, exported):
     """Gemma's sliding layers (window 8) and Gemma 3's rope for them, SmolLM3's NoPE layer: llama.cpp

@@ -67,9 +67,11 @@ def _rope_fields(r) -> dict:
 def hf_config(source: dict, spec: ModelSpec, dtype: str) -> dict:
     """The source config with the fields Linnet understood rewritten in both styles.
 
-    Keys Linnet does not model (pad ids, initializer ranges, ...) pass through unchanged.
+    Keys Linnet does not model (pad ids, initializer ranges, ...) pass through unchanged; a multimodal
+    source's other towers do not (the export is its language model alone).
     """
-    cfg = {k: v for k, v in source.items() if k not in ("text_config", "_name_or_path")}
+    dropped = ("text_config", "vision_config", "audio_config", "_name_or_path", "weight_prefix")
+    cfg = {k: v for k, v in source.items() if k not in dropped}
     cfg.update(
         architectures=[hf_architecture(spec)],
         model_type=spec.model_type,
@@ -124,7 +126,9 @@ def write_weights(model: Model, out: Path, dtype: str, max_shard_bytes: int) -> 
     ckpt = model.checkpoint()
     entries, _aliases = layout(graph, dtype)  # a tied head is stored once, as transformers expects
     params = {full: (p, layer) for full, p, layer in graph.all_params()}
-    hf_names = [params[name][0].sources(params[name][1])[0] for name, _, _ in entries]
+    # Under the family's own names: a multimodal source's language model leaves its prefix behind.
+    hf_names = [params[name][0].sources(params[name][1])[0].removeprefix(model.spec.weight_prefix)
+                for name, _, _ in entries]
     shards = plan_shards(entries, max_bytes=max_shard_bytes)
     weight_map: dict[str, str] = {}
     total = 0

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError, UnsupportedModel
-from ..models import FAMILIES
+from ..models import FAMILIES, weight_names
 from ..models.spec import ModelSpec
 from .reader import GGUFFile
 from .schema import MAX_CONTEXT, Metadata
@@ -155,7 +155,7 @@ def gguf_tensor_names(spec: ModelSpec) -> dict[str, tuple[str, int | None]]:
     fam = FAMILIES[spec.family]
     layout = fam.GGUF
     out: dict[str, tuple[str, int | None]] = {}
-    for role, hf in fam.weight_names(spec).items():
+    for role, hf in weight_names(spec).items():
         base, _, suffix = role.rpartition(".")
         heads = spec.num_heads if base == "attn_q" else spec.num_kv_heads if base == "attn_k" else None
         heads = heads if layout.rope_interleaved else None

@@ -39,8 +39,11 @@ def read_config(folder: Path) -> dict:
         raise CheckpointError(f"{path}: not valid JSON") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{path}: not a JSON object")
-    # Multimodal wrappers keep the decoder's settings under text_config.
-    return {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
+    # Multimodal wrappers keep the decoder's settings under text_config, and its tensors under their
+    # `language_model.` (transformers' own layout for them, as saved and as published).
+    if isinstance(cfg.get("text_config"), dict):
+        return {**cfg, **cfg["text_config"], "weight_prefix": "language_model."}
+    return cfg
 
 
 def family(model_type: str) -> ModuleType:
@@ -71,7 +74,7 @@ def build_graph(spec: ModelSpec):
     pre-norm decoder over the family's weight map unless the family builds its own."""
     fam = family(spec.model_type)
     own = getattr(fam, "build_graph", None)
-    return own(spec) if own is not None else build_decoder(spec, fam.weight_names(spec))
+    return own(spec) if own is not None else build_decoder(spec, weight_names(spec))
 
 
 def hf_architecture(spec: ModelSpec) -> str:
@@ -84,8 +87,10 @@ def gguf_layout(spec: ModelSpec) -> GgufLayout:
 
 
 def weight_names(spec: ModelSpec) -> dict[str, str]:
-    """IR roles to the family's canonical Hugging Face tensor names (`{i}` for the layer)."""
-    return family(spec.model_type).weight_names(spec)
+    """IR roles to the checkpoint's tensor names (`{i}` for the layer): the family's canonical Hugging
+    Face names, under the spec's `weight_prefix` where a multimodal checkpoint keeps its language model."""
+    names = family(spec.model_type).weight_names(spec)
+    return {role: spec.weight_prefix + name for role, name in names.items()}
 
 
 __all__ = ["FAMILIES", "FAMILY_CONTRACT", "MODEL_TYPES", "ModelSpec", "GgufLayout", "build_graph", "family", "gguf_layout", "hf_architecture", "load_spec", "spec_from_config", "weight_names"]

@@ -60,6 +60,7 @@ class ModelSpec:
     attention_softcap: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
     logit_softcap: float | None = None  # the logits likewise
     sliding_rope: RopeSpec | None = None  # the rope of sliding-window layers, where theirs differs (Gemma 3)
+    weight_prefix: str = ""  # before every tensor name: a multimodal checkpoint's language model
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -213,6 +214,7 @@ def common_spec(cfg: dict, model_type: str, family: str, **overrides: Any) -> Mo
         rope=read_rope(cfg),
         max_position_embeddings=positive_int(cfg, "max_position_embeddings", default=2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        weight_prefix=str(cfg.get("weight_prefix", "")),
         layer_windows=read_windows(cfg, layers),
         hidden_act=str(cfg.get("hidden_act", "silu")),
         qkv_bias=bool(cfg.get("attention_bias", False)),
