@@ -48,6 +48,13 @@ SEEDS = {
         rope_parameters=dict(rope_type="default", rope_theta=1000000.0), sliding_window=None,
         tie_word_embeddings=False, vocab_size=32768, hidden_act="silu",
     ), "spm"),
+    "gemma-2-2b-it": ("Gemma2Config", dict(
+        hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, max_position_embeddings=8192,
+        rms_norm_eps=1e-6, sliding_window=4096, vocab_size=256000, hidden_activation="gelu_pytorch_tanh",
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, tie_word_embeddings=True, pad_token_id=0,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    ), "spm"),
     "gemma-3-4b-it": ("Gemma3TextConfig", dict(  # the text model of gemma-3-4b-it, as Gemma3ForCausalLM
         hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
         num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, max_position_embeddings=131072,

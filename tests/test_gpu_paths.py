@@ -139,6 +139,8 @@ def test_nominal_bandwidth_of_the_pages_gpus():
     ("phi-3-mini-4k-instruct", 3.82e9, False, 2047),
     ("qwen3-4b", 4.02e9, True, None),
     ("mistral-7b-instruct-v0.3", 7.25e9, False, None),
+    ("gemma-2-2b-it", 2.61e9, True, 4096),
+    ("gemma-3-4b-it", 3.88e9, True, 1024),  # the text model of its 4.3B (a 0.42B vision tower beside it)
 ])
 def test_seed_configs_are_the_real_models(name, params, tied, window):
     """Parameter counts as the model cards give them (shapes from the meta device: no memory)."""
