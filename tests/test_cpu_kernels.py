@@ -98,6 +98,12 @@ def test_decode_attention_matches_sdpa(ext, dtype, shape):
     assert got.shape == q.shape and got.dtype == dtype
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]  # one rounding of the output
     assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+    # Gemma 2's soft-capped scores (a cap that bends them: scaled scores reach ~3 here)
+    got = ext.decode_attention(q, k, v, 1, slots, pos, window, 4 * D ** -0.5, 1.5)
+    want = selfcheck.reference_attention(q, k, v, 1, slots, pos, window, 4 * D ** -0.5, softcap=1.5)
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+    assert not torch.allclose(got.float(), ext.decode_attention(q, k, v, 1, slots, pos, window, 4 * D ** -0.5).float(),
+                              atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES[:3], ids=lambda s: "x".join(map(str, s)))

@@ -176,8 +176,9 @@ def attend(q, pos, slots, kv_len, k_cache, v_cache, layer, window, scale, gqa, k
     The runtime's kernel for one-token queries (`kernels.decode_attention`) reads the cache in
     place, where the lines below copy it.
     """
-    if softcap is None and kernels is not None and kernels.decode_attention is not None and q.shape[1] == 1:
-        return kernels.decode_attention(q[:, 0], pos[:, 0], slots, k_cache, v_cache, layer, window, scale)[:, None]
+    if kernels is not None and kernels.decode_attention is not None and q.shape[1] == 1:
+        return kernels.decode_attention(q[:, 0], pos[:, 0], slots, k_cache, v_cache, layer, window, scale,
+                                        softcap)[:, None]
     keys = k_cache[layer, :, :, :kv_len].index_select(0, slots)  # [B, KV, kv_len, D]
     values = v_cache[layer, :, :, :kv_len].index_select(0, slots)
     keys, values = keys.to(q.dtype), values.to(q.dtype)  # a cache held narrower than the activations

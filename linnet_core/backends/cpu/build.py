@@ -148,7 +148,7 @@ def register_fakes() -> None:
         return ids.new_empty((*ids.shape, width), dtype=torch.float32)
 
     @torch.library.register_fake("linnet_kernels::decode_attention")
-    def _(q, k_cache, v_cache, layer, slots, pos, window, scale):
+    def _(q, k_cache, v_cache, layer, slots, pos, window, scale, softcap=0.0):
         return torch.empty_like(q)
 
 

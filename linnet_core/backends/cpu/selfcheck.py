@@ -14,13 +14,14 @@ from .build import QUANT_CODES
 from .step_kernels import DecodeAttention, StepKernels
 
 
-def reference_attention(q, k_cache, v_cache, layer: int, slots, pos, window: int, scale: float):
+def reference_attention(q, k_cache, v_cache, layer: int, slots, pos, window: int, scale: float,
+                        softcap: float | None = None):
     """What `decode_attention` computes, by the generic path the generated step takes without it
     (torch_emit's `attend`): q [B, H, D] at positions pos [B] of cache rows slots [B] -> [B, H, D]."""
     attend = generic("attend")
     kv_len = int(pos.max()) + 1
     out = attend(q[:, None], pos[:, None], slots, kv_len, k_cache, v_cache, layer, window or None, scale,
-                 q.shape[1] != k_cache.shape[2])  # [B, 1, H, D]
+                 q.shape[1] != k_cache.shape[2], softcap=softcap)  # [B, 1, H, D]
     return out[:, 0]
 
 

@@ -17,11 +17,13 @@ class DecodeAttention:
     def __init__(self, ext):
         self.ext = ext
 
-    def __call__(self, q, pos, slots, k_cache, v_cache, layer: int, window: int | None, scale: float):
+    def __call__(self, q, pos, slots, k_cache, v_cache, layer: int, window: int | None, scale: float,
+                 softcap: float | None = None):
         """q [B, H, D] at positions pos [B] of cache rows slots [B] -> [B, H, D]."""
+        args = (layer, slots, pos, window or 0, scale, softcap or 0.0)
         if torch.compiler.is_compiling():  # csrc/ops.cpp's operator
-            return torch.ops.linnet_kernels.decode_attention(q, k_cache, v_cache, layer, slots, pos, window or 0, scale)
-        return self.ext.decode_attention(q.contiguous(), k_cache, v_cache, layer, slots, pos, window or 0, scale)
+            return torch.ops.linnet_kernels.decode_attention(q, k_cache, v_cache, *args)
+        return self.ext.decode_attention(q.contiguous(), k_cache, v_cache, *args)
 
 
 @dataclass(frozen=True)

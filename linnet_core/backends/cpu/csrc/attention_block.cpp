@@ -12,7 +12,7 @@ void write_cache(const torch::Tensor& k, const torch::Tensor& v, const torch::Te
                  torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t layer);
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                int64_t layer, const torch::Tensor& slots, const torch::Tensor& pos, int64_t window,
-                               double scale);
+                               double scale, double softcap);
 
 // qkv [1, N, (H + 2 KV) D]: N one-token rows, token n of cache row token_slots[0, n] at position
 // pos[0, n]; q_norm, k_norm [D] or None; cos, sin [1, N, rot]; caches [L, rows, KV, S, D] -> [1, N, H D].
@@ -35,6 +35,6 @@ torch::Tensor attention_block(const torch::Tensor& qkv, int64_t heads, int64_t k
   k = rope(k, cos, sin);
   write_cache(k, v, pos, token_slots, k_cache, v_cache, layer);
   const auto slots = token_slots.reshape({N}), positions = pos.reshape({N});
-  return decode_attention(q.reshape({N, heads, D}), k_cache, v_cache, layer, slots, positions, window, scale)
+  return decode_attention(q.reshape({N, heads, D}), k_cache, v_cache, layer, slots, positions, window, scale, 0.0)
       .reshape({1, N, heads * D});
 }

@@ -14,7 +14,7 @@ torch::Tensor packed_float_linear(const torch::Tensor& x, const torch::Tensor& p
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                int64_t layer, const torch::Tensor& slots, const torch::Tensor& pos, int64_t window,
-                               double scale);
+                               double scale, double softcap);
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t out_features);
 torch::Tensor repack_rows8(const torch::Tensor& w, int64_t fmt);
 torch::Tensor huge_page_zeros(at::IntArrayRef sizes, at::ScalarType dtype);
@@ -58,7 +58,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_kernels", &register_kernels, "a session's kernels [(kind, weight, format)] for ops.cpp; its id");
   m.def("release_kernels", &release_kernels, "forget a session's kernels");
   m.def("activate", &activate, "make a session's kernels active in this thread (0: none); the previous id");
-  m.def("decode_attention", &decode_attention, "one-token queries [B, H, D] over the KV cache in place");
+  m.def("decode_attention", &decode_attention, "one-token queries [B, H, D] over the KV cache in place",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("layer"), py::arg("slots"), py::arg("pos"),
+        py::arg("window"), py::arg("scale"), py::arg("softcap") = 0.0);
   m.def("rms_norm", &rms_norm, "x [..., D] / rms(x) * weight [D], the statistics in float32");
   m.def("rope", &rope, "rotate-half rope of x [B, T, H, D] by cos, sin [B, T, rot]");
   m.def("silu", &silu, "x * sigmoid(x) of x [..., D], float32 inside, rounded once");

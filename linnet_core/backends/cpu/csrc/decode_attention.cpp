@@ -11,6 +11,7 @@
 
 #include "vec.h"
 
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -20,9 +21,11 @@ using namespace linnet;
 
 // GB query heads (qf [GB, D], scaled) over n keys and values [n, D] in C -> out [GB, D] in T. Each key
 // and value is loaded once for the GB heads, whose dot products and weighted sums stay in registers
-// (a loop over the heads within each key, accumulating in memory, ran 2.4x slower).
+// (a loop over the heads within each key, accumulating in memory, ran 2.4x slower). softcap > 0: each
+// score becomes softcap * tanh(score / softcap) before the softmax (Gemma 2).
 template <typename T, typename C, int GB>
-void heads(const float* qf, const C* keys, const C* values, int64_t n, int64_t D, float* scores, T* out) {
+void heads(const float* qf, const C* keys, const C* values, int64_t n, int64_t D, float softcap, float* scores,
+           T* out) {
   for (int64_t s = 0; s < n; ++s) {  // scores [GB, n]
     const C* key = keys + s * D;
     // the value row into L2 while the scores run: the weighted sums below read the values a column
@@ -36,6 +39,8 @@ void heads(const float* qf, const C* keys, const C* values, int64_t n, int64_t D
     }
     for (int g = 0; g < GB; ++g) scores[g * n + s] = reduce_add(dot[g]);
   }
+  if (softcap > 0.0f)
+    for (int64_t i = 0; i < GB * n; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
   float total[GB];
   const float lowest = -std::numeric_limits<float>::infinity();
   for (int g = 0; g < GB; ++g) {  // softmax numerators over the n keys, the sum kept apart
@@ -87,7 +92,8 @@ void heads(const float* qf, const C* keys, const C* values, int64_t n, int64_t D
 template <typename T, typename C>
 void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* slots, const int64_t* pos, T* out,
             int64_t B, int64_t H, int64_t KV, int64_t S, int64_t D, int64_t layer, int64_t rows, int64_t window,
-            double scale) {
+            double scale, double softcap) {
+  const float cap = static_cast<float>(softcap);
   const int64_t G = H / KV;  // query heads per kv head
   at::parallel_for(0, B * KV, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> qf(G * D), scores;
@@ -104,10 +110,10 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* slots
       for (int64_t g = 0; g < G; g += 4) {  // up to four heads at a time (registers: 8 sums a head)
         const float* qg = qf.data() + g * D;
         switch (std::min<int64_t>(4, G - g)) {
-          case 1: heads<T, C, 1>(qg, k_cache + base, v_cache + base, n, D, scores.data(), ob + g * D); break;
-          case 2: heads<T, C, 2>(qg, k_cache + base, v_cache + base, n, D, scores.data(), ob + g * D); break;
-          case 3: heads<T, C, 3>(qg, k_cache + base, v_cache + base, n, D, scores.data(), ob + g * D); break;
-          default: heads<T, C, 4>(qg, k_cache + base, v_cache + base, n, D, scores.data(), ob + g * D);
+          case 1: heads<T, C, 1>(qg, k_cache + base, v_cache + base, n, D, cap, scores.data(), ob + g * D); break;
+          case 2: heads<T, C, 2>(qg, k_cache + base, v_cache + base, n, D, cap, scores.data(), ob + g * D); break;
+          case 3: heads<T, C, 3>(qg, k_cache + base, v_cache + base, n, D, cap, scores.data(), ob + g * D); break;
+          default: heads<T, C, 4>(qg, k_cache + base, v_cache + base, n, D, cap, scores.data(), ob + g * D);
         }
       }
     }
@@ -118,10 +124,10 @@ void attend(const T* q, const C* k_cache, const C* v_cache, const int64_t* slots
 
 // q [B, H, D]; caches [L, rows, KV, S, D] in q's dtype, or float16 beside float32 q; slots, pos [B]
 // -> [B, H, D]: query b (at position pos[b]) over keys 0..pos[b] of cache row slots[b] (the last
-// `window` of them when window > 0).
+// `window` of them when window > 0), the scores soft-capped where softcap > 0.
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                int64_t layer, const torch::Tensor& slots, const torch::Tensor& pos, int64_t window,
-                               double scale) {
+                               double scale, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes(), "decode_attention: shapes");
   const bool narrow = q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kHalf;
   TORCH_CHECK((q.scalar_type() == k_cache.scalar_type() || narrow) && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -140,7 +146,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   auto out = torch::empty_like(q);
   if (narrow) {
     attend<float, at::Half>(q.data_ptr<float>(), k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), sp, pp,
-                            out.data_ptr<float>(), B, H, KV, S, D, layer, rows, window, scale);
+                            out.data_ptr<float>(), B, H, KV, S, D, layer, rows, window, scale, softcap);
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
@@ -148,7 +154,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
       TORCH_CHECK(false, "decode_attention: float64 is not supported");
     } else {
       attend<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                 sp, pp, out.data_ptr<scalar_t>(), B, H, KV, S, D, layer, rows, window, scale);
+                                 sp, pp, out.data_ptr<scalar_t>(), B, H, KV, S, D, layer, rows, window, scale,
+                                 softcap);
     }
   });
   return out;

@@ -28,7 +28,7 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64
 torch::Tensor dequant_rows(const torch::Tensor& blocks, const torch::Tensor& ids, int64_t fmt);
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                int64_t layer, const torch::Tensor& slots, const torch::Tensor& pos, int64_t window,
-                               double scale);
+                               double scale, double softcap);
 
 namespace {
 
@@ -135,7 +135,7 @@ TORCH_LIBRARY(linnet_kernels, m) {
   m.def("linear(Tensor x, int handle, int out_features, Tensor? bias=None) -> Tensor");
   m.def("embedding(Tensor ids, int handle, int width) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, int layer, Tensor slots, Tensor pos, "
-        "int window, float scale) -> Tensor");
+        "int window, float scale, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(linnet_kernels, CPU, m) {
@@ -148,7 +148,7 @@ TORCH_LIBRARY_IMPL(linnet_kernels, CPU, m) {
   });
   m.impl("decode_attention", [](const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                 int64_t layer, const torch::Tensor& slots, const torch::Tensor& pos, int64_t window,
-                                double scale) {
-    return decode_attention(q.contiguous(), k_cache, v_cache, layer, slots, pos, window, scale);
+                                double scale, double softcap) {
+    return decode_attention(q.contiguous(), k_cache, v_cache, layer, slots, pos, window, scale, softcap);
   });
 }
