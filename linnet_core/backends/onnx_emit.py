@@ -379,7 +379,8 @@ def _attend(L: _Lowering, n: Node, q: str, caches: list[str], pos: str, slots: s
     q5 = b.op("Reshape", [b.op("Transpose", [q], perm=[0, 2, 1, 3]),
                           b.op("Concat", [b_only, b.const([kv_heads, group]), t_only, b.const([hd])], axis=0)], **zeros)
     bias = _bias(L, pos, kv_len, L.attr(n, "window"))
-    out = decompose.attend(b, q5, keys, values, bias, L.attr(n, "scale"), L.attr(n, "softcap"))  # [B, KV, G, T, D]
+    out = decompose.attend(b, q5, keys, values, bias, L.attr(n, "scale"),
+                           L.attr(n, "softcap"))  # [B, KV, G, T, D]
     out = b.op("Reshape", [out, b.op("Concat", [b_only, b.const([heads]), t_only, b.const([hd])], axis=0)],
                **zeros)  # [B, H, T, D]
     return b.op("Transpose", [out], perm=[0, 2, 1, 3])

@@ -441,7 +441,8 @@ LOWERINGS: dict[str, HloLowering] = {
     "linear": _linear,
     "split": _split,
     "reshape": lambda L, n, x: [L.m.reshape(x[0], L.shape(n.outputs[0]))],
-    "rope": lambda L, n, x: [decompose.rope(L.m, *x, x[1].shape[-1], x[0].shape[-1]) if L.attr(n, "apply") else x[0]],
+    "rope": lambda L, n, x: [decompose.rope(L.m, *x, x[1].shape[-1], x[0].shape[-1])
+                             if L.attr(n, "apply") else x[0]],
     "attention": _attention,
     "silu": lambda L, n, x: [decompose.silu(L.m, x[0])],
     "gelu": lambda L, n, x: [decompose.gelu(L.m, x[0], n.attrs["approximate"])],
