@@ -14,6 +14,7 @@ import torch
 from .dtypes import FORMATS, torch_dtype
 from .errors import CheckpointError
 from .ir.graph import Graph, Param
+from .ir.ops import OPS
 from .quant import param_formats, quantize, stored_shape
 from .weights import Checkpoint
 
@@ -107,9 +108,17 @@ def gathered_weights(graph: Graph) -> list[str]:
 
 
 def linear_weights(graph: Graph) -> dict[str, list[str]]:
-    """Names of the params that feed `linear` ops (global, and per-layer local names)."""
+    """Names of the weight matrices ops multiply as a linear does (global, and per-layer local names):
+    linear weights, experts' stacks."""
     def feeding(nodes, params) -> list[str]:
-        return sorted({n.inputs[1] for n in nodes if n.op == "linear" and n.inputs[1] in params})
+        return sorted({name for n in nodes for i in OPS[n.op].matrices if (name := n.inputs[i]) in params})
 
     return {"global": feeding(graph.prologue + graph.epilogue, graph.params),
-            "block": feeding(graph.block.nodes, graph.block.params)}
+            "block": feeding(graph.block.nodes, graph.block.params),
+            "experts": expert_stacks(graph)}
+
+
+def expert_stacks(graph: Graph) -> dict[str, int]:
+    """{local name: experts} of the block's stacked expert matrices (a runtime packs each expert's own)."""
+    return {n.inputs[i]: graph.values[n.inputs[1]].shape[-1] for n in graph.block.nodes if n.op == "experts"
+            for i in OPS[n.op].matrices}

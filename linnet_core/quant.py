@@ -13,6 +13,7 @@ import torch
 
 from .dtypes import FORMATS, compute_dtype
 from .ir.graph import Graph
+from .ir.ops import matrix_inputs
 
 BLOCK = 32
 HEAD_FORMAT = "q8_0"  # the output head (and a table tied to it): llama.cpp keeps it wider too (q6_K for q4_0)
@@ -122,9 +123,10 @@ def param_formats(graph: Graph, fmt: str) -> dict[str, str]:
     out = {full: compute for full, _, _ in graph.all_params()}
     if not FORMATS[fmt].quantized:
         return out
-    block_linear = {n.inputs[1] for n in graph.block.nodes if n.op == "linear"}
-    head = {n.inputs[1] for n in graph.epilogue if n.op == "linear"}
-    global_linear = {n.inputs[1] for n in graph.prologue + graph.epilogue if n.op in ("linear", "embedding")}
+    block_linear = matrix_inputs(graph.block.nodes)
+    head = matrix_inputs(graph.epilogue)
+    global_linear = matrix_inputs(graph.prologue + graph.epilogue) | {
+        n.inputs[1] for n in graph.prologue if n.op == "embedding"}
     sources: dict[tuple, list[str]] = {}
     for full, p, layer in graph.all_params():
         local = full if layer is None else full.split(".", 2)[2]
@@ -149,7 +151,7 @@ def kept_wide(graph: Graph, fmt: str) -> list[str]:
     for full, p, layer in graph.all_params():
         local = full if layer is None else full.split(".", 2)[2]
         nodes = graph.block.nodes if layer is not None else graph.prologue + graph.epilogue
-        if any(n.op == "linear" and n.inputs[1] == local for n in nodes) and not FORMATS[formats[full]].quantized:
+        if local in matrix_inputs(nodes) and not FORMATS[formats[full]].quantized:
             names.add(local)
     return sorted(names)
 

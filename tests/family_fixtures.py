@@ -63,6 +63,11 @@ CASES = [
         num_hidden_layers=6, pad_token_id=0, bos_token_id=1, eos_token_id=2,  # layers 0-4 slide, 5 is full
         rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    Case("qwen3moe-experts", "Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                    num_experts=5, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                    norm_topk_prob=True), tokenizer="qwen2"),
+    Case("mixtral-experts", "MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                                  num_experts_per_tok=2)),
     Case("phi3-partial-rotary-gqa", "Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
                                                        rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                                             partial_rotary_factor=0.5))),
@@ -87,7 +92,8 @@ CPU_BACKENDS = ["torch", "inductor"] + ["onnxruntime"] * HAVE["onnxruntime"] + [
 HALF_DTYPES = [("torch", "float16"), ("torch", "bfloat16"), ("inductor", "bfloat16")] \
     + [("onnxruntime", "float16")] * HAVE["onnxruntime"] + [("jax", "bfloat16"), ("stablehlo", "bfloat16")] * HAVE["jax"]
 FAMILY_CASES = ["llama-gqa-untied", "mistral-window", "qwen2-bias-tied", "qwen3-headdim128", "phi3-fused-window",
-                "granite-multipliers", "olmo2-post-norms", "smollm3-nope", "gemma2-softcaps", "gemma3-local-global"]
+                "granite-multipliers", "olmo2-post-norms", "smollm3-nope", "gemma2-softcaps", "gemma3-local-global",
+                "qwen3moe-experts", "mixtral-experts"]
 
 
 def make_multimodal_gemma3(folder: Path, vocab_size: int) -> Path:

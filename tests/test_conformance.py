@@ -78,6 +78,11 @@ def _cases() -> list[OpCase]:
     attention_dense = [("q", (*bt, H, D), floats(B, T, H, D)), ("k", (*bt, KV, D), floats(B, T, KV, D)),
                        ("v", (*bt, KV, D), floats(B, T, KV, D)), ("pos", bt, POS), ("slots", ("B",), SLOTS)]
     ragged_index = _ragged_index()
+    ties = floats(B, T, 5)
+    ties[0, 0] = [0.5, 1.0, 1.0, -2.0, 1.0]  # three experts tie for the top: the lower ones are taken
+    experts_dense, experts_unchosen, experts_ragged = (_experts_inputs(*lead, top_k=k, unchosen=u)
+                                                       for lead, k, u in (((B, T), 2, None), ((B, T), 1, 3),
+                                                                          ((1, "N"), 2, 0)))
     attention_ragged = [("q", (1, "N", H, D), floats(1, N, H, D)), ("k", (1, "N", KV, D), floats(1, N, KV, D)),
                         ("v", (1, "N", KV, D), floats(1, N, KV, D)), *ragged_index[:2], *ragged_index[2:]]
     return [
@@ -114,12 +119,39 @@ def _cases() -> list[OpCase]:
         OpCase("softcap", "softcap", [("x", (*bt, 7), floats(B, T, 7) * 4)], {"cap": 1.5}),
         OpCase("pick", "pick", [("a", (*bt, 7), floats(B, T, 7)), ("b", (*bt, 7), floats(B, T, 7))], {"index": 1}),
         OpCase("add", "add", [("a", (*bt, 7), floats(B, T, 7)), ("b", (*bt, 7), floats(B, T, 7))], {}),
+        OpCase("route-top2-normalized", "route", [("logits", (*bt, 5), ties)], {"top_k": 2, "normalize": True}),
+        OpCase("route-top1", "route", [("logits", (*bt, 5), floats(B, T, 5))], {"top_k": 1, "normalize": False}),
+        OpCase("route-top3-ragged", "route", [("logits", (1, "N", 5), floats(1, N, 5))],
+               {"top_k": 3, "normalize": False}, ragged=True),
+        OpCase("experts-top2", "experts", experts_dense, {"top_k": 2, "act": "silu"}),
+        OpCase("experts-top1-one-unchosen", "experts", experts_unchosen, {"top_k": 1, "act": "gelu_tanh"}),
+        OpCase("experts-ragged", "experts", experts_ragged, {"top_k": 2, "act": "silu"}, ragged=True),
         OpCase("last_token", "last_token", [("x", (*bt, 7), floats(B, T, 7))], {}),
         OpCase("last_token-ragged", "last_token", [("x", (1, "N", 7), floats(1, N, 7)),
                                                    ("logits_index", ("E",), np.array(LAYOUT.logits_index))],
                {"ragged": True}, ragged=True),
         OpCase("argmax", "argmax", [("logits", ("B", "T'", V), floats(B, 1, V))], {}),
     ]
+
+
+EXPERTS, EXPERT_WIDTH, EXPERT_IN = 5, 6, 8  # an odd expert count
+
+
+def _experts_inputs(b, t, *, top_k: int, unchosen: int | None) -> list:
+    """experts' inputs over [b, t] tokens: each token's weights as the router gives them, the expert
+    `unchosen` chosen by no token."""
+    rows = b * (N if t == "N" else t)
+    logits = floats(rows, EXPERTS)
+    if unchosen is not None:
+        logits[:, unchosen] = -30.0
+    weights = np.asarray(OPS["route"].reference(logits, top_k=top_k, normalize=True), dtype=np.float32)
+    lead = (b, t)
+    shape = (b, N if t == "N" else t)
+    return [("x", (*lead, EXPERT_IN), floats(*shape, EXPERT_IN)),
+            ("weights", (*lead, EXPERTS), weights.reshape(*shape, EXPERTS)),
+            ("gate", (EXPERTS * EXPERT_WIDTH, EXPERT_IN), floats(EXPERTS * EXPERT_WIDTH, EXPERT_IN)),
+            ("up", (EXPERTS * EXPERT_WIDTH, EXPERT_IN), floats(EXPERTS * EXPERT_WIDTH, EXPERT_IN)),
+            ("down", (EXPERTS * EXPERT_IN, EXPERT_WIDTH), floats(EXPERTS * EXPERT_IN, EXPERT_WIDTH))]
 
 
 CASES = _cases()
@@ -188,6 +220,9 @@ def run_onnx(case: OpCase) -> list[np.ndarray]:
     feeds = {name: (a.astype(np.int64) if a.dtype.kind == "i" else a) for name, _, a in case.inputs}
     if case.op == "linear":  # the ONNX artifact stores linear weights transposed, [in, out]
         feeds["w"] = np.ascontiguousarray(feeds["w"].T)
+    if case.op == "experts":  # and the experts' stacks likewise
+        L.shapes.update({name: feeds[name].shape for name in ("gate", "up", "down")})
+        feeds.update({name: np.ascontiguousarray(feeds[name].T) for name in ("gate", "up", "down")})
     if case.needs_cache:
         feeds.update({"k_cache.0": CACHE[0], "v_cache.0": CACHE[0] * 0.5, "kv_len": np.array([kv_len(case)])})
     if case.op == "last_token" and not case.ragged:

@@ -52,6 +52,12 @@ class MathBuilder(Protocol):
     def mean_last(self, a: Value) -> Value:
         """The mean over the last axis, kept as a size-1 axis."""
 
+    def sum_last(self, a: Value) -> Value:
+        """The sum over the last axis, kept as a size-1 axis."""
+
+    def max_last(self, a: Value) -> Value:
+        """The largest value over the last axis, kept as a size-1 axis."""
+
     def softmax_last(self, a: Value) -> Value:
         """Softmax over the last axis, in the dtype of `a`."""
 
@@ -146,6 +152,28 @@ def gelu(m: MathBuilder, x: Value, approximate: str) -> Value:
     else:
         gate = m.add(m.scalar(1.0, "act"), m.erf(m.mul(x, m.scalar(math.sqrt(0.5), "act"))))
     return m.mul(m.mul(x, m.scalar(0.5, "act")), gate)
+
+
+def activation(m: MathBuilder, x: Value, act: str) -> Value:
+    """The experts' activation by name (ops.ACTIVATIONS)."""
+    return silu(m, x) if act == "silu" else gelu(m, x, "tanh" if act == "gelu_tanh" else "none")
+
+
+def route(m: MathBuilder, logits: Value, count: int, top_k: int, normalize: bool) -> Value:
+    """Each expert's weight [..., E] from a router's logits: softmax in float32, the top_k kept (by
+    top_k rounds of the largest left, the lower expert first on ties), renormalized where asked."""
+    probs = m.softmax_last(m.to_f32(logits))
+    number = m.f32_array([float(e) for e in range(count)])  # each expert's index, as float32 [E]
+    kept, left = m.mul(probs, m.scalar(0.0, "f32")), probs
+    for _ in range(top_k):
+        top = m.max_last(left)  # [..., 1]
+        first = m.neg(m.max_last(m.neg(m.where(m.le(top, left), number, m.scalar(count, "f32")))))
+        hit = m.and_(m.le(number, first), m.le(first, number))  # [..., E]: the one expert taken this round
+        kept = m.where(hit, probs, kept)
+        left = m.where(hit, m.scalar(-1.0, "f32"), left)
+    if normalize:
+        kept = m.div(kept, m.sum_last(kept))
+    return m.to_act(kept)
 
 
 def dequantize(b: MathBuilder, values: Value, scales: Value, bits: int) -> Value:

@@ -87,6 +87,32 @@ def softcap(x, cap):
     return (cap * jnp.tanh(x.astype(jnp.float32) / cap)).astype(x.dtype)
 
 
+def route(logits, top_k, normalize):
+    """Each expert's weight [..., E]: the softmax of the router's logits in float32, its top_k kept
+    (renormalized to sum to 1 where the model does), the rest 0."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top, index = jax.lax.top_k(probs, top_k)  # the lower expert first on ties
+    if normalize:
+        top = top / top.sum(-1, keepdims=True)
+    kept = (jax.nn.one_hot(index, probs.shape[-1], dtype=jnp.float32) * top[..., None]).sum(-2)
+    return kept.astype(logits.dtype)
+
+
+def experts(x, weights, gate, up, down, top_k, act):
+    """x [..., H] through the experts weights [..., E] chose, dense: every expert over every token,
+    weight 0 where not chosen (static shapes XLA compiles whole, at E / top_k times the chosen
+    experts' multiplications)."""
+    count, hidden = weights.shape[-1], x.shape[-1]
+    gate_x = linear(x, gate)
+    if act == "silu":
+        gated = jax.nn.silu(gate_x)
+    else:
+        gated = jax.nn.gelu(gate_x, approximate=act == "gelu_tanh")
+    h = (gated * linear(x, up)).reshape(*x.shape[:-1], count, -1) * weights[..., None]  # [..., E, F]
+    stacked = dequantize(down).astype(x.dtype).reshape(count, hidden, -1)  # [E, H, F]
+    return jnp.einsum("...ef,ehf->...h", h, stacked, precision=precision(x))
+
+
 def attention(q, k, v, pos, slots, k_cache, v_cache, layer, window, scale, softcap):
     """Write k, v at `pos` of rows `slots` of layer `layer`, then attend causally over the cache.
 
@@ -133,6 +159,8 @@ TEMPLATES: dict[str, str] = {
     "softcap": "{out} = softcap({a}, {cap})",
     "pick": "{out} = ({args})[{index}]",
     "add": "{out} = {a} + {b}",
+    "route": "{out} = route({a}, {top_k}, {normalize})",
+    "experts": "{out} = experts({args}, {top_k}, {act})",
     "last_token": "{out} = {a} if all_logits else jnp.take_along_axis({a}, last[:, None, None], axis=1)",
     "argmax": "{out} = jnp.argmax({a}[jnp.arange(B), last if all_logits else 0], axis=-1)",
 }

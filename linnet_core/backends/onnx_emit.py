@@ -177,6 +177,12 @@ class OnnxGraphBuilder:
     def mean_last(self, a: str) -> str:
         return self.op("ReduceMean", [a, self.const([-1])], keepdims=1)
 
+    def sum_last(self, a: str) -> str:
+        return self.op("ReduceSum", [a, self.const([-1])], keepdims=1)
+
+    def max_last(self, a: str) -> str:
+        return self.op("ReduceMax", [a, self.const([-1])], keepdims=1)
+
     def softmax_last(self, a: str) -> str:
         return self.op("Softmax", [a], axis=-1)
 
@@ -261,6 +267,29 @@ def _linear(L: _Lowering, n: Node, x: list[str]) -> list[str]:
     else:  # weights are stored transposed ([in, out]) so MatMul reads them as they lie
         y = L.b.op("MatMul", [x[0], x[1]])
     return [L.b.op("Add", [y, x[2]]) if len(x) == 3 else y]
+
+
+def _experts(L: _Lowering, n: Node, x: list[str]) -> list[str]:
+    """Dense: every expert over every token, weight 0 where not chosen (one graph for every step, at
+    E / top_k times the chosen experts' multiplications). Gate and up are one linear each over all
+    experts' rows; the down projections one MatMul batched over experts, summed."""
+    b = L.b
+    h, weights, gate, up, down = x
+    count = L.g.values[n.inputs[1]].shape[-1]
+    rows, width = L.shapes[down]  # [E * H, F]
+    hidden = rows // count
+    gated = b.op("Mul", [decompose.activation(b, _linear(L, n, [h, gate])[0], n.attrs["act"]), _linear(L, n, [h, up])[0]])
+    gated = b.op("Mul", [b.op("Reshape", [gated, b.const([0, 0, count, width])]),
+                         b.op("Unsqueeze", [weights, b.const([-1])])])  # [B, T, E, F]
+    per_expert = b.op("Reshape", [b.op("Transpose", [gated], perm=[2, 0, 1, 3]), b.const([count, -1, width])])
+    fmt = L.quantized.get(down)
+    if fmt:  # [E * H, F] dequantized, then [E, F, H]
+        matrix = b.to_act(decompose.dequantize(b, f"{down}.values", f"{down}.scales", NBITS[fmt]))
+        stacked = b.op("Transpose", [b.op("Reshape", [matrix, b.const([count, hidden, width])])], perm=[0, 2, 1])
+    else:  # stored transposed, [F, E * H] -> [E, F, H]
+        stacked = b.op("Transpose", [b.op("Reshape", [down, b.const([width, count, hidden])])], perm=[1, 0, 2])
+    summed = b.op("ReduceSum", [b.op("MatMul", [per_expert, stacked]), b.const([0])], keepdims=0)  # [B * T, H]
+    return [b.op("Reshape", [summed, b.op("Shape", [h])])]
 
 
 def _embedding(L: _Lowering, n: Node, x: list[str]) -> list[str]:
@@ -412,6 +441,9 @@ LOWERINGS: dict[str, OnnxLowering] = {
     "softcap": lambda L, n, x: [decompose.softcap(L.b, x[0], n.attrs["cap"])],
     "pick": lambda L, n, x: [x[L.attr(n, "index")]],
     "add": lambda L, n, x: [L.b.op("Add", x)],
+    "route": lambda L, n, x: [decompose.route(L.b, x[0], L.g.values[n.inputs[0]].shape[-1], n.attrs["top_k"],
+                                              n.attrs["normalize"])],
+    "experts": _experts,
     "last_token": _last_token,
     "argmax": lambda L, n, x: [L.b.op(
         "ArgMax", [L.b.op("Squeeze", [L.b.op("Slice", [x[0], L.b.const([-1]), L.b.const([INT64_MAX]), L.b.const([1])]),

@@ -299,6 +299,12 @@ class Module:
     def mean_last(self, a: V) -> V:
         return self.div(self._keep_last(a, "add"), self.const(a.shape[-1], a.et))
 
+    def sum_last(self, a: V) -> V:
+        return self._keep_last(a, "add")
+
+    def max_last(self, a: V) -> V:
+        return self._keep_last(a, "maximum")
+
     def softmax_last(self, a: V) -> V:
         e = self.unary("exponential", self.sub(a, self._keep_last(a, "maximum")))
         return self.div(e, self._keep_last(e, "add"))
@@ -370,14 +376,33 @@ def _embedding(L: _Lowering, n: Node, x: list[V]) -> list[V]:
     return [L.m.gather_rows(table, ids, [0])]
 
 
+def _matrix(m: Module, w) -> V:
+    """A weight matrix as a value: block-quantized ones dequantized in the graph, where XLA can fuse
+    it into the dot's operand ([N, K] float32)."""
+    return decompose.dequantize(m, w.values, w.scales, w.bits) if isinstance(w, Blocks) else w
+
+
 def _linear(L: _Lowering, n: Node, x: list[V]) -> list[V]:
     m = L.m
-    a, w = x[0], x[1]
-    if isinstance(w, Blocks):  # dequantized in the graph, where XLA can fuse it into the dot's operand
-        w = decompose.dequantize(m, w.values, w.scales, w.bits)  # [N, K] float32
+    a, w = x[0], _matrix(L.m, x[1])
     axis = len(a.shape) - 1
     y = m.dot(a, w, ([], []), ([axis], [1]), a.shape[:-1] + (w.shape[0],))
     return [m.binary("add", y, m.broadcast(x[2], y.shape, [axis])) if len(x) == 3 else y]
+
+
+def _experts(L: _Lowering, n: Node, x: list[V]) -> list[V]:
+    """Dense: every expert over every token, weight 0 where not chosen (static shapes, at E / top_k
+    times the chosen experts' multiplications); the down projections as one dot batched over experts."""
+    m = L.m
+    h, weights, gate, up, down = x
+    count, lead = weights.shape[-1], h.shape[:-1]
+    gated = m.mul(decompose.activation(m, _linear(L, n, [h, gate])[0], n.attrs["act"]), _linear(L, n, [h, up])[0])
+    width = gated.shape[-1] // count
+    gated = m.mul(m.reshape(gated, lead + (count, width)), m.reshape(weights, lead + (count, 1)))  # [..., E, F]
+    stacked = m.reshape(m.to_act(_matrix(m, down)), (count, h.shape[-1], width))  # [E, H, F]
+    axis = len(lead)
+    y = m.dot(gated, stacked, ([axis], [0]), ([axis + 1], [2]), (count,) + lead + (h.shape[-1],))  # [E, ..., H]
+    return [m.reduce(y, [0], "add")]
 
 
 def _split(L: _Lowering, n: Node, x: list[V]) -> list[V]:
@@ -451,6 +476,8 @@ LOWERINGS: dict[str, HloLowering] = {
     "softcap": lambda L, n, x: [decompose.softcap(L.m, x[0], n.attrs["cap"])],
     "pick": lambda L, n, x: [x[L.attr(n, "index")]],
     "add": lambda L, n, x: [L.m.add(*x)],
+    "route": lambda L, n, x: [decompose.route(L.m, x[0], x[0].shape[-1], n.attrs["top_k"], n.attrs["normalize"])],
+    "experts": _experts,
     "last_token": _last_token,
     "argmax": _argmax,
 }

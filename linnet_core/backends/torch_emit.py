@@ -95,6 +95,59 @@ def softcap(x, cap):
     return (cap * torch.tanh(x.float() / cap)).to(x.dtype)
 
 
+def route(logits, top_k, normalize):
+    """Each expert's weight [..., E]: the softmax of the router's logits in float32, its top_k kept
+    (renormalized to sum to 1 where the model does), the rest 0."""
+    probs = logits.float().softmax(-1)
+    top, index = probs.sort(dim=-1, descending=True, stable=True)  # the lower expert first on ties (topk: any)
+    top, index = top[..., :top_k], index[..., :top_k]
+    if normalize:
+        top = top / top.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter(-1, index, top).to(logits.dtype)
+
+
+def expert_rows(stack, e, count):
+    """Expert e's matrix of a stack [E * rows, in]: its own kernel where the runtime packed one per
+    expert (a list), else a view of its rows."""
+    if isinstance(stack, list):
+        return stack[e]
+    rows = stack.shape[0] // count
+    return stack[e * rows:(e + 1) * rows]
+
+
+def experts(x, weights, gate, up, down, top_k, act):
+    """x [..., H] through the experts weights [..., E] chose: sum of w * down_e(act(gate_e x) * up_e x).
+
+    Eager, only the chosen experts run, each over its own tokens (a decode step reads just their
+    weights). Traced by a compiler, every expert runs over every token, weight 0 where not chosen:
+    shapes that compile whole, at E / top_k times the multiplications.
+    """
+    shape, count = x.shape, weights.shape[-1]
+    x, weights = x.reshape(-1, shape[-1]), weights.reshape(-1, count)
+    out = torch.zeros_like(x)
+    if torch.compiler.is_compiling():
+        plan = [(e, None) for e in range(count)]
+    else:
+        tokens, chosen = weights.nonzero(as_tuple=True)
+        plan = [(e, tokens[chosen == e]) for e in chosen.unique().tolist()]
+    for e, rows in plan:
+        xe = x if rows is None else x[rows]
+        gated = activation(linear(xe, expert_rows(gate, e, count)), act) * linear(xe, expert_rows(up, e, count))
+        ye = linear(gated, expert_rows(down, e, count))
+        if rows is None:
+            out = out + ye * weights[:, e, None]
+        else:
+            out.index_add_(0, rows, ye * weights[rows, e, None])
+    return out.reshape(shape)
+
+
+def activation(x, act):
+    """The experts' activation by name: silu, gelu, gelu_tanh."""
+    if act == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if act == "gelu_tanh" else "none")
+
+
 def argmax(x, kernels=None):
     """The index of the largest of x [..., V] along V (the first on ties)."""
     if kernels is not None and kernels.argmax is not None:
@@ -227,6 +280,8 @@ TEMPLATES: dict[str, str] = {
     "softcap": "{out} = softcap({a}, {cap})",
     "pick": "{out} = ({args})[{index}]",
     "add": "{out} = {a} + {b}",
+    "route": "{out} = route({a}, {top_k}, {normalize})",
+    "experts": "{out} = experts({args}, {top_k}, {act})",
     "last_token": "{out} = {a} if all_logits else {a}[torch.arange(B, device=ids.device), last].unsqueeze(1)",
     # The real last position: with all logits, a padded prompt's last token is at `last`.
     "argmax": "{out} = argmax({a}[torch.arange(B, device=ids.device), last if all_logits else 0], kernels)",

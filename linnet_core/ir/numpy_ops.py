@@ -118,6 +118,33 @@ def add(a, b):
     return a + b
 
 
+def route(logits, *, top_k, normalize):
+    x = logits.astype(np.float32)
+    probs = np.exp(x - x.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    order = np.argsort(-probs, axis=-1, kind="stable")[..., :top_k]  # the lower expert first on ties
+    kept = np.zeros_like(probs)
+    np.put_along_axis(kept, order, np.take_along_axis(probs, order, -1), -1)
+    return kept / kept.sum(-1, keepdims=True) if normalize else kept
+
+
+def experts(x, weights, gate, up, down, *, top_k, act):
+    """Token by token, each expert with a nonzero weight applied and summed (an expert no token
+    chose is never touched)."""
+    count, hidden = weights.shape[-1], x.shape[-1]
+    width = gate.shape[0] // count
+    activation = {"silu": silu, "gelu": lambda v: gelu(v, approximate="none"),
+                  "gelu_tanh": lambda v: gelu(v, approximate="tanh")}[act]
+    flat, w = x.reshape(-1, hidden).astype(np.float64), weights.reshape(-1, count)
+    out = np.zeros(flat.shape, dtype=np.float64)
+    for t in range(flat.shape[0]):
+        for e in np.flatnonzero(w[t]):
+            rows = slice(e * width, (e + 1) * width)
+            h = activation(gate[rows] @ flat[t]) * (up[rows] @ flat[t])
+            out[t] += w[t, e] * (down[e * hidden:(e + 1) * hidden] @ h)
+    return out.reshape(x.shape)
+
+
 def last_token(x, logits_index=None, *, ragged, all_logits=False, last=None):
     if ragged:
         return x[0, logits_index, None]  # [E, 1, ...]
@@ -133,5 +160,6 @@ REFERENCES = {
     "positions": positions, "rope_table": rope_table, "embedding": embedding, "rms_norm": rms_norm,
     "linear": linear, "split": split, "reshape": reshape, "rope": rope, "attention": attention,
     "silu": silu, "gelu": gelu, "mul": mul, "scale": scale, "softcap": softcap, "pick": pick, "add": add,
+    "route": route, "experts": experts,
     "last_token": last_token, "argmax": argmax,
 }

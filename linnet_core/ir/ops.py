@@ -114,6 +114,26 @@ def _pick(*xs: Shape, index: int) -> list[Shape]:
     return [xs[0]]
 
 
+def _route(logits: Shape, *, top_k: int, normalize: bool) -> list[Shape]:
+    if not isinstance(logits[-1], int) or not 1 <= top_k <= logits[-1]:
+        raise IRError(f"top_k {top_k} of {logits[-1]} experts")
+    return [logits]
+
+
+def _experts(x: Shape, weights: Shape, gate: Shape, up: Shape, down: Shape, *, top_k: int, act: str) -> list[Shape]:
+    _same(x[:-1], weights[:-1])
+    _same(gate, up)
+    count, hidden = weights[-1], x[-1]
+    if gate[1] != hidden or gate[0] % count or down != (count * hidden, gate[0] // count):
+        raise IRError(f"expert weights gate {gate}, down {down} do not stack {count} experts of width {hidden}")
+    if act not in ACTIVATIONS:
+        raise IRError(f"activation '{act}' (known: {', '.join(ACTIVATIONS)})")
+    return [x]
+
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
 def _binary(a: Shape, b: Shape) -> list[Shape]:
     _same(a, b)
     return [a]
@@ -144,6 +164,7 @@ class OpDef:
     defaults: dict = field(default_factory=dict)  # attributes a node may leave out, with their values
     out_dtype: str = "act"  # the dtype of every output: "act" (the compile dtype) or "i64"
     reference: Callable | None = None  # what the op means, in numpy (ir.numpy_ops)
+    matrices: tuple[int, ...] = ()  # inputs that are weight matrices [out, in] multiplied as a linear's
 
 
 OPS: dict[str, OpDef] = {
@@ -151,7 +172,7 @@ OPS: dict[str, OpDef] = {
     "rope_table": OpDef(_rope_table, 1, attrs=("rope", "rotary_dim"), doc="cos, sin [B,T,rot] for positions"),
     "embedding": OpDef(_embedding, 2, doc="row lookup of token ids in a table"),
     "rms_norm": OpDef(_rms_norm, 2, attrs=("eps",), doc="x / rms(x) * weight over the last axis, in float32"),
-    "linear": OpDef(_linear, 2, optional=1, doc="x @ weight.T (+ bias)"),
+    "linear": OpDef(_linear, 2, optional=1, doc="x @ weight.T (+ bias)", matrices=(1,)),
     "split": OpDef(_split, 1, attrs=("sizes",), doc="split the last axis"),
     "reshape": OpDef(_reshape, 1, attrs=("shape",), doc="reshape (symbols B and T kept)"),
     "rope": OpDef(_rope, 3, attrs=("apply",), defaults={"apply": True},
@@ -172,6 +193,13 @@ OPS: dict[str, OpDef] = {
     "pick": OpDef(_pick, 2, optional=2, attrs=("index",),
                   doc="the input numbered `index` (a per-layer attribute: each layer's own rope table)"),
     "add": OpDef(_binary, 2),
+    "route": OpDef(_route, 1, attrs=("top_k", "normalize"),
+                   doc="a router's logits [..., E] -> each expert's weight [..., E]: softmax in float32, the top_k "
+                       "largest kept (the lower expert first on ties), the rest 0; normalize: the kept sum to 1"),
+    "experts": OpDef(_experts, 5, attrs=("top_k", "act"), matrices=(2, 3, 4),
+                     doc="x [..., H] through the experts its weights [..., E] name (at most top_k each), summed by "
+                         "weight: down_e(act(gate_e x) * up_e x); gate, up [E*F, H] and down [E*H, F] stack the "
+                         "experts' matrices by rows (expert e's are rows e*F.. of gate and up, e*H.. of down)"),
     "last_token": OpDef(_last_token, 1, optional=1, attrs=("ragged",), defaults={"ragged": False},
                         doc="x[:, -1:] unless all positions' logits are asked for; ragged: x[0, logits_index, None]"),
     "argmax": OpDef(_argmax, 1, doc="greedy next token from the last position's logits", out_dtype="i64"),
@@ -180,6 +208,15 @@ OPS: dict[str, OpDef] = {
 
 # Every op carries its numpy reference; an op without one is refused here, at import.
 OPS = {name: replace(d, reference=REFERENCES[name]) for name, d in OPS.items()}
+
+
+def matrix_inputs(nodes) -> set[str]:
+    """The names of the weight matrices `nodes` multiply (linear weights, experts' stacks), except a
+    router's: its logits choose the experts, so it stays in the compute dtype (llama.cpp's quantizer
+    keeps ffn_gate_inp in float too)."""
+    routed = {n.inputs[0] for n in nodes if n.op == "route"}
+    return {n.inputs[i] for n in nodes for i in OPS[n.op].matrices
+            if not (n.op == "linear" and n.outputs[0] in routed)}
 
 
 def infer(op: str, shapes: list[Shape], attrs: dict) -> list[Shape]:

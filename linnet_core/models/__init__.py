@@ -12,7 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 from ..errors import CheckpointError, UnsupportedModel
-from . import gemma2, gemma3, granite, llama, olmo2, phi3, qwen2, qwen3, smollm3
+from . import gemma2, gemma3, granite, llama, olmo2, phi3, qwen2, qwen3, qwen3_moe, smollm3
 from .decoder import GgufLayout, build_decoder
 from .spec import ModelSpec
 
@@ -23,7 +23,7 @@ FAMILY_CONTRACT = ("MODEL_TYPE", "ALIASES", "HF_ARCHITECTURES", "GGUF", "parse_c
 OPTIONAL_CONTRACT = ("build_graph",)
 
 FAMILIES: dict[str, ModuleType] = {
-    m.MODEL_TYPE: m for m in (llama, qwen2, qwen3, phi3, granite, olmo2, smollm3, gemma2, gemma3)}
+    m.MODEL_TYPE: m for m in (llama, qwen2, qwen3, qwen3_moe, phi3, granite, olmo2, smollm3, gemma2, gemma3)}
 MODEL_TYPES: dict[str, ModuleType] = {
     **FAMILIES, **{alias: m for m in FAMILIES.values() for alias in m.ALIASES}
 }

@@ -27,6 +27,8 @@ class GgufLayout:
     `config_keys`: llama.cpp's number keys (after `{arch}.`) that carry config.json fields, both ways.
     `no_rope_every`: llama.cpp skips rope on every n-th layer of this architecture (its NoPE layers are
     fixed, not read from the file); 0 where it never does.
+    `moe_model_type`: the Hugging Face model_type of this architecture's files that hold experts (llama.cpp
+    writes Mixtral as `llama`); None where it is the family's own.
     `sliding_every`: llama.cpp slides the file's window on every layer but each n-th (its pattern is
     fixed too); 0 where one window, if any, covers every layer. `sliding_rope_theta`: the rope base
     llama.cpp gives those sliding layers, where theirs is their own.
@@ -40,6 +42,7 @@ class GgufLayout:
     no_rope_every: int = 0
     sliding_every: int = 0
     sliding_rope_theta: float | None = None
+    moe_model_type: str | None = None
 
     def no_rope_layers(self, num_layers: int) -> tuple[int, ...]:
         """The layers llama.cpp runs without rope."""
@@ -60,14 +63,18 @@ BLOCK_ROLES = (
     "ffn_norm.weight", "post_ffw_norm.weight",
     "ffn_gate.weight", "ffn_up.weight", "ffn_gate_up.weight", "ffn_down.weight",
     "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias",
+    # mixture of experts: the router, and each expert's matrices (names hold `{e}`, stacked by rows)
+    "ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight",
 )
+EXPERT_ROLES = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
 
 # Parts every decoder has, and the alternatives of which one must be mapped (fused or separate).
 # Each branch's norms are its own: before it (`attn_norm`, `ffn_norm`), after it (`post_*`), or both.
-REQUIRED_ROLES = ("token_embd.weight", "output_norm.weight", "attn_output.weight", "ffn_down.weight")
+REQUIRED_ROLES = ("token_embd.weight", "output_norm.weight", "attn_output.weight")
 ALTERNATIVE_ROLES = ((("attn_qkv.weight",), ("attn_q.weight", "attn_k.weight", "attn_v.weight")),
-                     (("ffn_gate_up.weight",), ("ffn_gate.weight", "ffn_up.weight")),
+                     (("ffn_gate_up.weight", "ffn_down.weight"), ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"),
+                      EXPERT_ROLES),  # the MLP: fused, separate, or experts
                      ((), ("attn_q_norm.weight", "attn_k_norm.weight")))  # q/k norms: none, or both
 
 
@@ -79,10 +86,10 @@ def check_weight_map(spec: ModelSpec, names: dict[str, str]) -> None:
     missing = [r for r in REQUIRED_ROLES if r not in names]
     if not spec.tie_word_embeddings and "output.weight" not in names:
         missing.append("output.weight")
-    for one, other in ALTERNATIVE_ROLES:
-        present = [r for r in one + other if r in names]
-        if present not in (list(one), list(other)):
-            missing.append(" or ".join("+".join(g) if g else "none" for g in (one, other)))
+    for options in ALTERNATIVE_ROLES:
+        present = {r for option in options for r in option if r in names}
+        if present not in [set(option) for option in options]:
+            missing.append(" or ".join("+".join(g) if g else "none" for g in options))
     for pre, post in (("attn_norm.weight", "post_attention_norm.weight"), ("ffn_norm.weight", "post_ffw_norm.weight")):
         if pre not in names and post not in names:
             missing.append(f"{pre} or {post}")
@@ -90,6 +97,8 @@ def check_weight_map(spec: ModelSpec, names: dict[str, str]) -> None:
         raise IRError(f"{spec.family}: weight map lacks {'; '.join(missing)}")
     if ("attn_q_norm.weight" in names) != spec.qk_norm:
         raise IRError(f"{spec.family}: weight map and spec disagree on q/k norms")
+    if ("ffn_gate_exps.weight" in names) != bool(spec.num_experts):
+        raise IRError(f"{spec.family}: weight map and spec disagree on experts")
 
 
 def build_decoder(spec: ModelSpec, names: dict[str, str]) -> Graph:
@@ -134,6 +143,20 @@ def build_decoder(spec: ModelSpec, names: dict[str, str]) -> Graph:
             branch = b.op("scale", [branch], f"{branch}_scaled", factor=spec.residual_scale)
         return b.op("add", [residual, branch], out)
 
+    def mlp(h2: str) -> str:
+        if "ffn_gate_up.weight" in names:
+            gu = linear(h2, "ffn_gate_up", 2 * ff, H, "gate_up")
+            gate, up = b.op("split", [gu], ["gate", "up"], sizes=[ff, ff])
+        else:
+            gate = linear(h2, "ffn_gate", ff, H, "gate")
+            up = linear(h2, "ffn_up", ff, H, "up")
+        if spec.hidden_act == "silu":
+            act = b.op("silu", [gate], "act")
+        else:
+            act = b.op("gelu", [gate], "act", approximate="tanh" if spec.hidden_act.endswith("tanh") else "none")
+        m = b.op("mul", [act, up], "ffn_mid")
+        return linear(m, "ffn_down", H, ff, "ffn_out")
+
     rope_layers = {"rope": tuple(i not in spec.no_rope_layers for i in range(L))} if spec.no_rope_layers else {}
     if spec.sliding_rope is not None:
         rope_layers["rope_table"] = tuple(int(w is not None) for w in spec.layer_windows)
@@ -168,18 +191,7 @@ def build_decoder(spec: ModelSpec, names: dict[str, str]) -> Graph:
     o = linear(a, "attn_output", H, nh * hd, "attn_out")
     x1 = joined(x, o, "post_attention_norm", "x_attn")
     h2 = norm(x1, "ffn_norm", H, "h_ffn")
-    if "ffn_gate_up.weight" in names:
-        gu = linear(h2, "ffn_gate_up", 2 * ff, H, "gate_up")
-        gate, up = b.op("split", [gu], ["gate", "up"], sizes=[ff, ff])
-    else:
-        gate = linear(h2, "ffn_gate", ff, H, "gate")
-        up = linear(h2, "ffn_up", ff, H, "up")
-    if spec.hidden_act == "silu":
-        act = b.op("silu", [gate], "act")
-    else:
-        act = b.op("gelu", [gate], "act", approximate="tanh" if spec.hidden_act.endswith("tanh") else "none")
-    m = b.op("mul", [act, up], "ffn_mid")
-    d = linear(m, "ffn_down", H, ff, "ffn_out")
+    d = mixture_of_experts(b, spec, names, h2) if spec.num_experts else mlp(h2)
     x = b.end_block(joined(x1, d, "post_ffw_norm", "x_out"))
 
     last = b.op("last_token", [x], "x_last")
@@ -194,6 +206,38 @@ def build_decoder(spec: ModelSpec, names: dict[str, str]) -> Graph:
         logits = b.op("softcap", [logits], "logits_capped", cap=spec.logit_softcap)
     nxt = b.op("argmax", [logits], "next_token")
     return b.finish((nxt, logits), CacheLayout(L, kvh, hd))
+
+
+EXPERT_ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def mixture_of_experts(b: GraphBuilder, spec: ModelSpec, names: dict[str, str], h: str) -> str:
+    """The MLP as experts: a router's top-k of them per token, each expert's matrices one param of all
+    experts' stacked by rows (expert e's rows are a contiguous slice: a CPU kernel reads only those)."""
+    H, E, F = spec.hidden_size, spec.num_experts, spec.expert_intermediate_size
+
+    def stacked(role: str, rows: int, cols: int) -> str:
+        parts = [names[role].format(i="{i}", e=e) for e in range(E)]
+        return b.param(role, (E * rows, cols), *parts)
+
+    router = b.param("ffn_gate_inp.weight", (E, H), names["ffn_gate_inp.weight"])
+    logits = b.op("linear", [h, router], "router_logits")
+    weights = b.op("route", [logits], "expert_weights", top_k=spec.experts_per_token,
+                   normalize=spec.normalize_expert_weights)
+    gate, up = stacked("ffn_gate_exps.weight", F, H), stacked("ffn_up_exps.weight", F, H)
+    down = stacked("ffn_down_exps.weight", H, F)
+    return b.op("experts", [h, weights, gate, up, down], "ffn_out", top_k=spec.experts_per_token,
+                act=EXPERT_ACTIVATIONS[spec.hidden_act])
+
+
+def with_experts(names: dict[str, str], prefix: str, gate: str, up: str, down: str, router: str) -> dict[str, str]:
+    """`names` with its dense MLP replaced by experts under `prefix` (`{i}` the layer, `{e}` the expert)."""
+    dense = [r for r in names if r.startswith(("ffn_gate.", "ffn_up.", "ffn_gate_up.", "ffn_down."))]
+    return {**{r: n for r, n in names.items() if r not in dense},
+            "ffn_gate_inp.weight": f"{prefix}.{router}.weight",
+            "ffn_gate_exps.weight": f"{prefix}.experts.{{e}}.{gate}.weight",
+            "ffn_up_exps.weight": f"{prefix}.experts.{{e}}.{up}.weight",
+            "ffn_down_exps.weight": f"{prefix}.experts.{{e}}.{down}.weight"}
 
 
 def hf_llama_style_names(spec: ModelSpec, *, fused_qkv: bool = False, fused_gate_up: bool = False,

@@ -61,6 +61,10 @@ class ModelSpec:
     logit_softcap: float | None = None  # the logits likewise
     sliding_rope: RopeSpec | None = None  # the rope of sliding-window layers, where theirs differs (Gemma 3)
     weight_prefix: str = ""  # before every tensor name: a multimodal checkpoint's language model
+    num_experts: int = 0  # a mixture of experts' MLPs per layer; 0: one dense MLP
+    experts_per_token: int = 0  # the router's top-k
+    expert_intermediate_size: int = 0  # each expert's MLP width
+    normalize_expert_weights: bool = True  # the top-k's weights rescaled to sum to 1
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -195,6 +199,17 @@ def read_eos(cfg: dict) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def read_experts(cfg: dict, intermediate_size: int) -> dict[str, Any]:
+    """Mixture-of-experts fields, from either name of the expert count (Qwen's `num_experts`, Mixtral's
+    `num_local_experts`); {} for a dense model."""
+    if not cfg.get("num_experts") and not cfg.get("num_local_experts"):
+        return {}
+    count = positive_int(cfg, "num_experts", "num_local_experts", most=1 << 12)
+    return dict(num_experts=count, experts_per_token=positive_int(cfg, "num_experts_per_tok", most=count),
+                expert_intermediate_size=positive_int(cfg, "moe_intermediate_size", default=intermediate_size),
+                normalize_expert_weights=bool(cfg.get("norm_topk_prob", True)))
+
+
 def common_spec(cfg: dict, model_type: str, family: str, **overrides: Any) -> ModelSpec:
     """The fields every supported family reads the same way; families override the rest."""
     hidden = positive_int(cfg, "hidden_size")
@@ -224,6 +239,7 @@ def common_spec(cfg: dict, model_type: str, family: str, **overrides: Any) -> Mo
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=read_eos(cfg),
     )
+    fields.update(read_experts(cfg, fields["intermediate_size"]))
     fields.update(overrides)
     spec = ModelSpec(**fields)
     if spec.num_heads % spec.num_kv_heads:

@@ -255,24 +255,31 @@ def pack_linear_weights(weights: dict, names: dict[str, list[str]], pack: bool =
     release = getattr(weights, "release", lambda name: None)  # the mapped original, once packed (a copy)
     groups = [(weights["global"], names["global"], "")]
     groups += [(layer, names["block"], f"blk.{i}.") for i, layer in enumerate(weights["layers"])]
+    stacks = names.get("experts", {})
     for group, linear_names, prefix in groups:
         # a head tied to the token table keeps its layout: the table's gathers read the same bytes
         tables = {t.data_ptr() for n, t in group.items() if n not in linear_names and isinstance(t, torch.Tensor)}
         for name in group:
             fmt = format_of(prefix + name)
-            if fmt is not None:
-                wrap = QuantLinear if name in linear_names else QuantTable
-                group[name] = wrap(group[name], len(kernels), fmt)
-                if wrap is QuantLinear:
-                    release(prefix + name)
-            elif name in linear_names and kind is not None:
-                w = group[name]
-                repackable = w.shape[-1] % 16 == 0 and w.data_ptr() not in tables
-                wrap = kind if repackable or kind is not PackedFloatLinear else RowLinear  # as mapped: no copy
-                group[name] = wrap(w, len(kernels))
-                if wrap in (PackedLinear, PackedFloatLinear):
-                    release(prefix + name)
-            else:
+            if fmt is None and (name not in linear_names or kind is None):
                 continue
-            kernels.append(group[name])
+            count = stacks.get(name) if prefix else None
+            w = group[name]
+            # an expert stack becomes one kernel per expert (a list): a step runs the chosen ones alone
+            parts = [w] if count is None else list(w.chunk(count, dim=0))
+            made = [_kernel(part, len(kernels) + k, fmt, kind, name in linear_names, part.data_ptr() in tables)
+                    for k, part in enumerate(parts)]
+            if any(isinstance(m, (QuantLinear, PackedLinear, PackedFloatLinear)) for m in made):
+                release(prefix + name)  # packed copies: the mapped original can go
+            group[name] = made[0] if count is None else made
+            kernels.extend(made)
     return Kernels(kernels)
+
+
+def _kernel(w: torch.Tensor, handle: int, fmt: str | None, kind, linear: bool, tied: bool):
+    """One weight's kernel: blocks as a quantized linear (or token table), float weights as `kind`,
+    or kept as mapped (RowLinear) where the packed layout cannot take them."""
+    if fmt is not None:
+        return (QuantLinear if linear else QuantTable)(w, handle, fmt)
+    repackable = w.shape[-1] % 16 == 0 and not tied
+    return (kind if repackable or kind is not PackedFloatLinear else RowLinear)(w, handle)  # as mapped: no copy
