@@ -103,29 +103,48 @@ def as_quantized(model, spec, fmt: str, activations: str = "float32") -> None:
     weights also round their inputs to int8 blocks first, as kernels that compute so do."""
     import torch
 
-    from ..quant import dequantize, int8_blocks, param_formats, quantize  # imports torch: not at start-up
+    from ..params import expert_stacks  # imports torch: not at start-up
+    from ..quant import dequantize, int8_blocks, param_formats, quantize
 
     graph = build_graph(spec)
     formats = param_formats(graph, fmt)
     named = dict(model.named_parameters(remove_duplicate=False))
-    done: set[str] = set()
+    stacks = expert_stacks(graph)
+    done: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for full, p, layer in graph.all_params():
             if not FORMATS[formats[full]].quantized:
                 continue
-            for src in p.sources(layer):
+            local = full.split(".", 2)[-1]
+            for k, src in enumerate(p.sources(layer)):
                 if src in done:
                     continue
-                if src not in named:
+                w = named.get(src)
+                if w is None and local in stacks:
+                    w = _expert_view(named, layer, local, k)
+                if w is None:
                     raise BackendUnavailable(f"the reference has no weight '{src}' to quantize as {formats[full]}")
-                w = named[src]
                 w.copy_(dequantize(quantize(w.float(), formats[full]), formats[full]).to(w.dtype))
-                done.add(src)
+                done[src] = w
     if activations == "int8":
-        quantized = {named[src].data_ptr() for src in done}
+        quantized = {w.data_ptr() for w in done.values()}
         for module in model.modules():  # a head tied to the table shares its weight
             if isinstance(module, torch.nn.Linear) and module.weight.data_ptr() in quantized:
                 module.register_forward_pre_hook(lambda _, args: (int8_blocks(args[0]), *args[1:]))
+
+
+def _expert_view(named: dict, layer: int, role: str, expert: int):
+    """Expert `expert`'s matrix of `role` in transformers' own layout of a layer's experts (one
+    `gate_up_proj` [E, 2F, H], gate rows first, and one `down_proj` [E, H, F]), or None."""
+    suffix = "gate_up_proj" if role in ("ffn_gate_exps.weight", "ffn_up_exps.weight") else "down_proj"
+    found = [w for name, w in named.items() if f"layers.{layer}." in name and name.endswith(f".experts.{suffix}")]
+    if len(found) != 1:
+        return None
+    w = found[0][expert]
+    if suffix == "down_proj":
+        return w
+    half = w.shape[0] // 2
+    return w[:half] if role == "ffn_gate_exps.weight" else w[half:]
 
 
 def reference_run(path: Path, prompt: list[int], steps: int, dtype: str = "float32",

@@ -216,6 +216,8 @@ def transformers_gguf_gaps(spec) -> list[str]:
     if arch not in GGUF_CONFIG_MAPPING:
         return [f"architecture {arch}"]
     gaps = []
+    if spec.num_experts and "expert_count" not in GGUF_CONFIG_MAPPING[arch]:  # read back as a dense model
+        gaps.append(f"experts in a {arch} file")
     if spec.rope.type != "default":
         gaps.append(f"{spec.rope.type} rope scaling")
     if spec.rope.partial_rotary_factor != 1.0:

@@ -27,7 +27,7 @@ from ..gguf.vocab import GgufVocab, read_vocab, vocab_from_gguf
 from ..ir.rope import inv_freq
 from ..models import GgufLayout, build_graph, gguf_layout
 from ..models.spec import ModelSpec, RopeSpec
-from ..params import materialize, release_sources
+from ..params import expert_stacks, materialize, release_sources
 from ..quant import param_formats, quantize
 from ..tokenizer import Tokenizer, read_chat_template
 from ..weights import Checkpoint
@@ -90,6 +90,7 @@ def _plan(spec: ModelSpec, layout: GgufLayout, ckpt: Checkpoint, dtype: str, ggu
     # A quantized export stores each weight as a Linnet artifact of that dtype does (quant.py), block
     # for block the same bytes; a float one casts every matrix and keeps vectors in f32.
     formats = param_formats(graph, fmt) if FORMATS[fmt].quantized else None
+    stacks = expert_stacks(graph)
     plan: list[_Tensor] = []
     for full, p, layer in graph.all_params():
         if full == "output.weight" and spec.tie_word_embeddings:
@@ -100,16 +101,20 @@ def _plan(spec: ModelSpec, layout: GgufLayout, ckpt: Checkpoint, dtype: str, ggu
         heads = spec.num_heads if base == "attn_q" else spec.num_kv_heads if base == "attn_k" else None
         permute = layout.rope_interleaved and heads is not None
 
-        def weight(p=p, layer=layer, heads=heads, permute=permute) -> torch.Tensor:
+        # an expert stack [E * rows, cols] is llama.cpp's 3-d [E, rows, cols] (ffn_*_exps)
+        shape = (stacks[role], p.shape[0] // stacks[role], p.shape[1]) if layer is not None and role in stacks \
+            else p.shape
+
+        def weight(p=p, layer=layer, heads=heads, permute=permute, shape=shape) -> torch.Tensor:
             w = materialize(p, layer, ckpt, torch.float32).clone()  # its own memory: the source can go
             release_sources(p, layer, ckpt)
-            return permute_for_interleaved_rope(w, heads) if permute else w
+            return (permute_for_interleaved_rope(w, heads) if permute else w).reshape(shape)
 
         if formats is not None:
             qtype = Q[FORMATS[formats[full]].gguf.upper()]
         else:
             qtype = Q.F32 if len(p.shape) == 1 else Q[dtype.upper()]
-        plan.append(_tensor(gname, p.shape, qtype, weight, gguf))
+        plan.append(_tensor(gname, shape, qtype, weight, gguf))
     if spec.rope.type in ("llama3", "freq_factors"):  # llama.cpp's spelling of both
         factors = rope_freq_factors(spec)
         plan.append(_tensor("rope_freqs.weight", factors.shape, Q.F32, lambda: torch.from_numpy(factors), gguf))
@@ -168,6 +173,8 @@ def check_spellable(spec: ModelSpec) -> None:
     if (spec.attention_scale is not None and "attention.scale" not in layout.config_keys
             and not math.isclose(spec.attention_scale, spec.head_dim ** -0.5)):
         refuse(f"an attention scale of {spec.attention_scale:g}, not 1/sqrt(head_dim)")
+    if spec.num_experts and not spec.normalize_expert_weights:
+        refuse("experts weighted as the softmax gave them (norm_topk_prob false), where llama.cpp renormalizes them")
     caps = {"attn_logit_softcapping": spec.attention_softcap, "final_logit_softcapping": spec.logit_softcap}
     for key, cap in caps.items():
         if cap is not None and key not in layout.config_keys:
@@ -194,6 +201,10 @@ def _metadata(w, spec: ModelSpec, layout: GgufLayout, vocab: GgufVocab, dtype: s
         w.add_sliding_window(next(x for x in spec.layer_windows if x))
     if spec.sliding_rope is not None:
         w.add_rope_freq_base_swa(spec.sliding_rope.theta)
+    if spec.num_experts:
+        w.add_expert_count(spec.num_experts)
+        w.add_expert_used_count(spec.experts_per_token)
+        w.add_expert_feed_forward_length(spec.expert_intermediate_size)
     if spec.rope.type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.rope.factor)

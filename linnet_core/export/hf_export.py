@@ -124,11 +124,18 @@ def write_weights(model: Model, out: Path, dtype: str, max_shard_bytes: int) -> 
     """Shards `model-0000k-of-0000n.safetensors` plus the index that names each tensor's shard."""
     graph = build_graph(model.spec)  # unfused: one param per checkpoint tensor, under its canonical name
     ckpt = model.checkpoint()
-    entries, _aliases = layout(graph, dtype)  # a tied head is stored once, as transformers expects
+    stored, _aliases = layout(graph, dtype)  # a tied head is stored once, as transformers expects
     params = {full: (p, layer) for full, p, layer in graph.all_params()}
-    # Under the family's own names: a multimodal source's language model leaves its prefix behind.
-    hf_names = [params[name][0].sources(params[name][1])[0].removeprefix(model.spec.weight_prefix)
-                for name, _, _ in entries]
+    # One entry per source tensor (an expert stack is its experts' matrices), under the family's own
+    # names: a multimodal source's language model leaves its prefix behind.
+    entries, hf_names, pieces = [], [], []
+    for name, shape, dt in stored:
+        p, layer = params[name]
+        sources = p.sources(layer)
+        for k, src in enumerate(sources):
+            entries.append((name, (shape[0] // len(sources), *shape[1:]), dt))
+            hf_names.append(src.removeprefix(model.spec.weight_prefix))
+            pieces.append((k, len(sources)))
     shards = plan_shards(entries, max_bytes=max_shard_bytes)
     weight_map: dict[str, str] = {}
     total = 0
@@ -142,8 +149,14 @@ def write_weights(model: Model, out: Path, dtype: str, max_shard_bytes: int) -> 
         def produce(members=members):
             for i in members:
                 p, layer = params[entries[i][0]]
-                yield materialize(p, layer, ckpt, torch_dtype(dtype), as_stored=True)
-                release_sources(p, layer, ckpt)  # written: its pages need not stay resident
+                k, count = pieces[i]
+                if count == 1:
+                    yield materialize(p, layer, ckpt, torch_dtype(dtype), as_stored=True)
+                    release_sources(p, layer, ckpt)  # written: its pages need not stay resident
+                else:  # one source of several: read alone
+                    src = p.sources(layer)[k]
+                    yield ckpt.get(src).to(torch_dtype(dtype))
+                    ckpt.release(src)
 
         write_safetensors(out / fname, tensors, produce(), metadata={"format": "pt"})
         for i in members:

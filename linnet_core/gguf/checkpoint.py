@@ -29,7 +29,9 @@ FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat1
 BLOCK_FORMATS = {f.gguf.upper(): name for name, f in FORMATS.items() if f.quantized}
 # Every GGUF type Linnet computes on as it is stored, by the --dtype that keeps it.
 KEPT = {f.gguf.upper(): name for name, f in FORMATS.items()}
-K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# Dequantized by the `gguf` package: the K-quants, and the legacy blocks llama.cpp's quantizer falls
+# back to where a row is shorter than a K-quant's 256 (a small model's expert matrices).
+DEQUANTIZED_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1")
 
 
 def is_gguf(path: Path) -> bool:
@@ -79,15 +81,22 @@ class GgufCheckpoint(Checkpoint):
         # llama.cpp stores Gemma's norms as 1 + weight, the value they scale by: the checkpoint's is the weight
         self._shift: dict[str, float] = {}
         with GGUFFile(path) as g:
-            for hf, (name, heads) in gguf_tensor_names(spec).items():
+            for hf, (name, heads, expert) in gguf_tensor_names(spec).items():
                 t = g.tensors.get(name)
                 if t is None:
                     continue  # Checkpoint.info names it as missing when the graph asks for it
-                if t.type not in FLOAT_TYPES and t.type not in BLOCK_FORMATS and t.type not in K_QUANTS:
+                if t.type not in FLOAT_TYPES and t.type not in BLOCK_FORMATS and t.type not in DEQUANTIZED_TYPES:
                     raise UnsupportedModel(f"{path}: tensor '{name}' is {t.type}, which Linnet does not read "
-                                           f"(reads: {', '.join([*FLOAT_TYPES, *BLOCK_FORMATS, *K_QUANTS])})")
-                self.tensors[hf] = TensorInfo(name, Path(path), FLOAT_TYPES.get(t.type, torch.uint8), t.shape,
-                                              t.offset, t.nbytes)
+                                           f"(reads: {', '.join([*FLOAT_TYPES, *BLOCK_FORMATS, *DEQUANTIZED_TYPES])})")
+                dtype = FLOAT_TYPES.get(t.type, torch.uint8)
+                if expert is None:
+                    self.tensors[hf] = TensorInfo(name, Path(path), dtype, t.shape, t.offset, t.nbytes)
+                elif len(t.shape) != 3 or t.shape[0] != spec.num_experts:
+                    raise CheckpointError(f"{path}: tensor '{name}' has shape {list(t.shape)}, the metadata implies "
+                                          f"{spec.num_experts} experts stacked [experts, rows, columns]")
+                else:  # expert e's matrix: a contiguous slice of the stack, every row whole
+                    each = t.nbytes // t.shape[0]
+                    self.tensors[hf] = TensorInfo(name, Path(path), dtype, t.shape[1:], t.offset + expert * each, each)
                 self._source[hf] = (t.type, heads)
                 if spec.norm_weight_offset and name.endswith("norm.weight"):
                     self._shift[hf] = spec.norm_weight_offset

@@ -102,6 +102,13 @@ def config_from_gguf(g: GGUFFile) -> dict[str, Any]:
             raise UnsupportedModel(f"the GGUF's rope_freqs holds {factors.size} values where its rotary dimension "
                                    f"{rotary} needs {rotary // 2} positive ones")
         cfg["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
+    experts = md.count(key("expert_count"), 0, least=0, most=1 << 12)
+    if experts:  # a mixture of experts: llama.cpp's files renormalize the chosen experts' weights
+        cfg["model_type"] = fam.GGUF.moe_model_type or fam.MODEL_TYPE
+        cfg["num_experts"] = experts
+        cfg["num_experts_per_tok"] = md.count(key("expert_used_count"), most=experts)
+        cfg["moe_intermediate_size"] = md.count(key("expert_feed_forward_length"), ffn)
+        cfg["norm_topk_prob"] = True
     for name, config_key in fam.GGUF.config_keys.items():
         if key(name) in md.values:
             cfg[config_key] = md.number(key(name))
@@ -149,19 +156,23 @@ def _check_shapes(md: Metadata, key, heads: int, kv_heads: int, head_dim: int, h
         raise md.fail(key("feed_forward_length"), f"holds {ffn}, but blk.0.ffn_down.weight's rows are {down[1]} wide")
 
 
-def gguf_tensor_names(spec: ModelSpec) -> dict[str, tuple[str, int | None]]:
+def gguf_tensor_names(spec: ModelSpec) -> dict[str, tuple[str, int | None, int | None]]:
     """Each Hugging Face tensor name the family's weight map uses -> (its GGUF name, the heads whose
-    rows llama.cpp permuted to adjacent-pair rope, or None)."""
+    rows llama.cpp permuted to adjacent-pair rope or None, the expert it is of a 3-d stack or None)."""
     fam = FAMILIES[spec.family]
     layout = fam.GGUF
-    out: dict[str, tuple[str, int | None]] = {}
+    out: dict[str, tuple[str, int | None, int | None]] = {}
     for role, hf in weight_names(spec).items():
         base, _, suffix = role.rpartition(".")
         heads = spec.num_heads if base == "attn_q" else spec.num_kv_heads if base == "attn_k" else None
         heads = heads if layout.rope_interleaved else None
         if "{i}" not in hf:
-            out[hf] = (role, None)
+            out[hf] = (role, None, None)
             continue
         for i in range(spec.num_layers):
-            out[hf.format(i=i)] = (f"blk.{i}.{layout.renames.get(base, base)}.{suffix}", heads)
+            name = f"blk.{i}.{layout.renames.get(base, base)}.{suffix}"
+            if "{e}" in hf:  # llama.cpp stacks a layer's experts in one tensor [E, rows, cols]
+                out.update({hf.format(i=i, e=e): (name, heads, e) for e in range(spec.num_experts)})
+            else:
+                out[hf.format(i=i)] = (name, heads, None)
     return out
