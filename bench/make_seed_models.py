@@ -3,6 +3,7 @@
     python bench/make_seed_models.py qwen3-4b /tmp/seeds/qwen3-4b          # 7.5 GB, ~1 min here
     python bench/make_seed_models.py all /tmp/seeds                        # one folder per model
     python bench/make_seed_models.py qwen3-4b /tmp/tiny --tiny             # the same family, 2 layers
+    python bench/make_seed_models.py qwen3-30b-a3b /tmp/seeds/qwen3-30b-a3b-q4_0.gguf   # 17 GB, a GGUF
 
 Shapes, rope, tied/untied head and sliding window are those of the models' own config.json;
 the weights are random (normal, std 0.02; norms 1), bfloat16, in Hugging Face's sharded layout,
@@ -69,6 +70,18 @@ SEEDS = {
 SEEDS["qwen3-0.6b"] = ("Qwen3Config", {**SEEDS["qwen3-4b"][1], **dict(
     hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, max_window_layers=28)},
     "qwen2")
+# Written directly as a GGUF of the given format (the bf16 checkpoint of Qwen3-30B-A3B would be 61 GB):
+# name -> (config class, fields, tokenizer style, format).
+GGUF_SEEDS = {
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
+        max_window_layers=48, use_sliding_window=False, sliding_window=None, rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0), tie_word_embeddings=False,
+        vocab_size=151936, hidden_act="silu", attention_bias=False,
+    ), "qwen2", "q4_0"),
+}
 # --tiny: the same family and features at test size (the vocabulary stays: it sizes the head).
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=16)
 
@@ -178,9 +191,62 @@ def write_random_checkpoint(config, out: Path, tokenizer: str | None = None, sha
     return final
 
 
+class RandomCheckpoint:
+    """Random tensors under a checkpoint's names, drawn when read (nothing of them on disk)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+        self.shapes = shapes
+
+    def get(self, name: str):
+        return random_tensor(name, self.shapes[name])
+
+    def release(self, name: str) -> None:
+        pass
+
+
+def write_gguf_seed(name: str, out: Path, tiny: bool = False) -> Path:
+    """A GGUF of the seed's shapes in its format, written by Linnet's exporter from random weights drawn
+    one tensor at a time: a config and tokenizer in a scratch folder, no checkpoint on disk."""
+    import tempfile
+
+    import transformers
+
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from linnet_core.compile import Model
+    from linnet_core.export.gguf_export import write_gguf
+    from linnet_core.hub import ResolvedModel
+    from linnet_core.models import build_graph, read_config, spec_from_config
+    from tokenizer_fixtures import write_tokenizer
+
+    cls, fields, tokenizer, fmt = GGUF_SEEDS[name]
+    fields = {**fields, **(dict(TINY, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=64, max_window_layers=2) if tiny else {})}
+    config = getattr(transformers, cls)(**fields, dtype="bfloat16")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as scratch:
+        folder = Path(scratch)
+        config.save_pretrained(folder)
+        write_tokenizer(folder, tokenizer, config.vocab_size)
+        cfg = read_config(folder)
+        spec = spec_from_config(cfg)
+        shapes = {src: (p.shape[0] // len(p.parts), *p.shape[1:])
+                  for _, p, layer in build_graph(spec).all_params() for src in p.sources(layer)}
+
+        class RandomModel(Model):
+            def checkpoint(self):
+                return RandomCheckpoint(shapes)
+
+        partial = folder / out.name
+        write_gguf(RandomModel(ResolvedModel(name, folder), cfg, spec, ()), partial, fmt,
+                   progress=lambda line: print(f"  {line}", flush=True))
+        partial.rename(out)  # complete: never half-written under its name
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", choices=[*SEEDS, "all"])
+    ap.add_argument("model", choices=[*SEEDS, *GGUF_SEEDS, "all"])
     ap.add_argument("out", type=Path, help="the checkpoint folder (with 'all': the folder of one per model)")
     ap.add_argument("--tiny", action="store_true", help="2 layers, hidden 64: the family's features at test size")
     ap.add_argument("--shard-gb", type=float, default=2.0, help="largest shard, GiB (default 2)")
@@ -188,10 +254,14 @@ def main() -> None:
     names = list(SEEDS) if args.model == "all" else [args.model]
     for name in names:
         t0 = time.perf_counter()
-        folder = args.out / name if args.model == "all" else args.out
-        write_seed(name, folder, args.tiny, args.shard_gb)
-        size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-        print(f"{folder}  {size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
+        if name in GGUF_SEEDS:  # one file, named `out`
+            written = write_gguf_seed(name, args.out, args.tiny)
+            size = written.stat().st_size
+        else:
+            written = args.out / name if args.model == "all" else args.out
+            write_seed(name, written, args.tiny, args.shard_gb)
+            size = sum(p.stat().st_size for p in written.glob("*.safetensors"))
+        print(f"{written}  {size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

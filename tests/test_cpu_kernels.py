@@ -600,3 +600,44 @@ def test_a_session_without_cpu_kernels_activates_none():
     assert kernels == [] and kernels.native_id == 0
     with active(kernels):
         pass
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("tokens", [1, 7])  # a decode step; a prompt whose tokens share experts
+def test_experts_in_one_cpp_call_match_the_per_expert_lines(ext, fmt, tokens):
+    """Each expert stack is packed one kernel per expert; the experts op is then one C++ call that
+    runs just the chosen experts, and computes what the generated lines do over the same kernels
+    (an expert no token chose is never run)."""
+    from linnet_core.backends.cpu.linears import ExpertStack
+    from linnet_core.backends.torch_emit import PRELUDE
+    from linnet_core.dtypes import FORMATS, compute_dtype
+    from linnet_core.ir.numpy_ops import route
+    from linnet_core.quant import quantize
+
+    E, width, hidden = 5, 64, 96
+    g = torch.Generator().manual_seed(11)
+    dtype = getattr(torch, compute_dtype(fmt))
+    stacks = {"gate": torch.randn(E * width, hidden, generator=g), "up": torch.randn(E * width, hidden, generator=g),
+              "down": torch.randn(E * hidden, width, generator=g)}
+    quantized = FORMATS[fmt].quantized
+
+    class Mapped(dict):
+        def format_of(self, name):
+            return fmt if quantized and not name.startswith("global") and "norm" not in name else None
+
+    layer = {k: quantize(w, fmt) if quantized else w.to(dtype) for k, w in stacks.items()}
+    weights = Mapped({"global": {"norm": torch.ones(hidden, dtype=dtype)}, "layers": [layer]})
+    kernels = pack_linear_weights(weights, {"global": [], "block": list(stacks), "experts": dict.fromkeys(stacks, E)})
+    assert all(isinstance(layer[k], ExpertStack) and len(layer[k]) == E for k in stacks) and len(kernels) == 3 * E
+    logits = torch.randn(tokens, E, generator=g)
+    logits[:, 3] = -30.0  # expert 3: chosen by no token
+    expert_weights = torch.from_numpy(route(logits.numpy(), top_k=2, normalize=True)).to(dtype)
+    x = torch.randn(1, tokens, hidden, generator=g).to(dtype)
+    ns: dict = {}
+    exec(PRELUDE, ns)
+    with active(kernels):
+        fused = layer["gate"].experts(x, expert_weights[None], layer["up"], layer["down"], "silu")
+        lines = ns["experts"](x, expert_weights[None], list(layer["gate"]), list(layer["up"]), list(layer["down"]), 2,
+                              "silu")  # plain lists: the per-expert lines
+    assert fused is not None and fused.shape == x.shape and fused.dtype == dtype
+    assert torch.allclose(fused.float(), lines.float(), rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-3)

@@ -24,7 +24,7 @@ from ..runtime.session import Session
 from .artifact import WEIGHTS_FILE, import_generated, load_prepared_weights, read_info
 from .base import Backend
 from .cpu import extension as cpu_kernels
-from .cpu.linears import DecodeLinear, Kernels, PackedFloatLinear, linear_kernel, pack_linear_weights
+from .cpu.linears import DecodeLinear, Kernels, PackedFloatLinear, active, linear_kernel, pack_linear_weights
 from .cpu.step_kernels import add_step_kernels
 from .torch_emit import emit
 
@@ -110,8 +110,11 @@ def check_quantized(dtype: str, device: str) -> None:
 class TorchSession(Session):
     """The generated step over a static KV cache, in whichever step form the module was emitted."""
 
-    def __init__(self, module, weights: dict[str, Any], info: dict, rows: int, device: str, backend: str):
+    def __init__(self, module, weights: dict[str, Any], info: dict, rows: int, device: str, backend: str,
+                 kernels: Kernels | None = None):
         self.module, self.weights, self.backend = module, weights, backend
+        # C++ operators that take kernels by handle (the experts') find this session's while a step runs
+        self.kernels = kernels if kernels is not None else Kernels([])
         self.dtype, self.cache_len, self.vocab_size, self.rows = info["dtype"], info["cache_len"], info["vocab_size"], rows
         self.ragged = info["step"] == "ragged"
         self.device = torch.device(device)
@@ -130,8 +133,9 @@ class TorchSession(Session):
             start_t = torch.tensor(start, dtype=torch.int64, device=self.device)  # [B]
             slots_t = torch.tensor(slots, dtype=torch.int64, device=self.device)  # [B]
             last = torch.full((len(ids),), len(ids[0]) - 1, dtype=torch.int64, device=self.device)  # [B]
-            return self.step_fn(self.weights, ids_t, start_t, slots_t, last, kv_len, self.k_cache, self.v_cache,
-                                all_logits)
+            with active(self.kernels):
+                    return self.step_fn(self.weights, ids_t, start_t, slots_t, last, kv_len, self.k_cache,
+                                     self.v_cache, all_logits)
 
     def _copy_rows(self, src: int, dst: int, n: int) -> None:
         for cache in (self.k_cache, self.v_cache):  # [layers, rows, kv_heads, cache_len, head_dim]
@@ -143,7 +147,7 @@ class TorchSession(Session):
         for name, (values, shape) in layout.inputs().items():  # the attention spans stay ints
             feeds[name] = values[0] if name.endswith("kv_len") else \
                 torch.tensor(values, dtype=torch.int64, device=self.device).reshape(shape)
-        with torch.inference_mode():
+        with torch.inference_mode(), active(self.kernels):
             return self.step_fn(self.weights, **feeds, k_cache=self.k_cache, v_cache=self.v_cache)
 
 
@@ -181,5 +185,5 @@ class TorchBackend(Backend):
         check_quantized(info["dtype"], device)
         module = import_generated(artifact / "model.py", "linnet_generated")
         weights = load_prepared_weights(artifact / WEIGHTS_FILE, device)
-        session_weights(weights, info, device, eager=True)
-        return TorchSession(module, weights, info, rows, device, self.name)
+        kernels = session_weights(weights, info, device, eager=True)
+        return TorchSession(module, weights, info, rows, device, self.name, kernels)

@@ -30,5 +30,7 @@ CATALOG: dict[str, KnownModel] = {
     "granite-3.3-8b-instruct": KnownModel("ibm-granite/granite-3.3-8b-instruct", "granite", "8.2B"),
     "olmo-2-1b-instruct": KnownModel("allenai/OLMo-2-0425-1B-Instruct", "olmo2", "1.5B"),
     "olmo-2-7b-instruct": KnownModel("allenai/OLMo-2-1124-7B-Instruct", "olmo2", "7.3B"),
+    "qwen3-30b-a3b": KnownModel("Qwen/Qwen3-30B-A3B", "qwen3_moe", "30.5B (3.3B active)"),
+    "mixtral-8x7b-instruct": KnownModel("mistralai/Mixtral-8x7B-Instruct-v0.1", "mixtral", "46.7B (12.9B active)"),
 }
 SHORT_NAMES: dict[str, str] = {name: m.repo for name, m in CATALOG.items()}

@@ -147,6 +147,10 @@ def register_fakes() -> None:
     def _(ids, handle, width):
         return ids.new_empty((*ids.shape, width), dtype=torch.float32)
 
+    @torch.library.register_fake("linnet_kernels::experts")
+    def _(x, weights, gate, up, down, width, act):
+        return torch.empty_like(x)
+
     @torch.library.register_fake("linnet_kernels::decode_attention")
     def _(q, k_cache, v_cache, layer, slots, pos, window, scale, softcap=0.0):
         return torch.empty_like(q)

@@ -228,6 +228,22 @@ class QuantTable:
         return NATIVE_TABLE, self.blocks, QUANT_CODES[self.fmt]
 
 
+class ExpertStack(list):
+    """One layer's stacked expert matrix as one kernel per expert, their handles consecutive: a step
+    runs the chosen experts' alone."""
+
+    ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # csrc/ops.cpp's codes
+
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, up: "ExpertStack", down: "ExpertStack",
+                act: str) -> torch.Tensor | None:
+        """The whole experts op in one C++ call (csrc/ops.cpp's `experts`, this stack the gate), or None
+        where a kernel is not one of its own (oneDNN's)."""
+        if any(k.native_kind == NATIVE_NONE for stack in (self, up, down) for k in stack):
+            return None
+        return torch.ops.linnet_kernels.experts(x, weights, self[0].handle, up[0].handle, down[0].handle,
+                                                self[0].out_features, self.ACTIVATIONS[act])
+
+
 def linear_kernel(dtype: torch.dtype) -> type[CpuLinear] | None:
     """The kernel class for linear weights of `dtype` on this CPU: Linnet's own (float16, float32 and
     bf16 weights repacked for its GEMVs and tiles; bf16 mapped as is for its row GEMV and oneDNN's GEMM
@@ -271,7 +287,7 @@ def pack_linear_weights(weights: dict, names: dict[str, list[str]], pack: bool =
                     for k, part in enumerate(parts)]
             if any(isinstance(m, (QuantLinear, PackedLinear, PackedFloatLinear)) for m in made):
                 release(prefix + name)  # packed copies: the mapped original can go
-            group[name] = made[0] if count is None else made
+            group[name] = made[0] if count is None else ExpertStack(made)
             kernels.extend(made)
     return Kernels(kernels)
 

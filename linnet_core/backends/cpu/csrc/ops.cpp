@@ -99,6 +99,39 @@ torch::Tensor linear(const torch::Tensor& x, int64_t handle, int64_t out_feature
   return y;
 }
 
+// x [..., H] through the experts `weights` [..., E] chose (nonzero), summed by weight: down_e(act(gate_e x)
+// * up_e x), act 0 silu, 1 gelu, 2 gelu-tanh, each expert `width` wide. Expert e's kernels are handles gate + e, up + e, down + e (a stack packed one kernel per
+// expert). Each chosen expert runs once over its own tokens, in expert order, so a decode step reads just
+// the chosen experts' weights, and the dozens of small calls a Python loop made per layer are one.
+torch::Tensor experts(const torch::Tensor& x, const torch::Tensor& weights, int64_t gate, int64_t up, int64_t down,
+                      int64_t width, int64_t act) {
+  const int64_t H = x.size(-1), E = weights.size(-1);
+  TORCH_CHECK(x.numel() / H == weights.numel() / E, "linnet_kernels::experts: x and weights differ in tokens");
+  const auto flat = x.reshape({-1, H});
+  const auto w = weights.reshape({-1, E}).to(at::kFloat).contiguous();
+  auto out = torch::zeros_like(flat);
+  const float* wp = w.data_ptr<float>();
+  const int64_t N = w.size(0);
+  for (int64_t e = 0; e < E; ++e) {
+    std::vector<int64_t> rows;
+    for (int64_t t = 0; t < N; ++t)
+      if (wp[t * E + e] != 0.0f) rows.push_back(t);
+    if (rows.empty()) continue;
+    const bool all = (int64_t)rows.size() == N;
+    auto index = torch::tensor(rows, torch::kLong);
+    auto xe = all ? flat : flat.index_select(0, index);
+    auto g = linear(xe, gate + e, width, c10::nullopt);
+    auto u = linear(xe, up + e, width, c10::nullopt);
+    auto h = (act == 0 ? at::silu(g) : at::gelu(g, act == 2 ? "tanh" : "none")) * u;
+    auto y = linear(h, down + e, H, c10::nullopt);
+    auto scale = w.index_select(0, index).select(1, e).unsqueeze(1).to(y.scalar_type());
+    y.mul_(scale);
+    if (all) out.add_(y);
+    else out.index_add_(0, index, y);
+  }
+  return out.reshape(x.sizes());
+}
+
 }  // namespace
 
 // The session's kernels in handle order: (kind, weight or an undefined tensor, format) each; its id.
@@ -136,10 +169,12 @@ TORCH_LIBRARY(linnet_kernels, m) {
   m.def("embedding(Tensor ids, int handle, int width) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, int layer, Tensor slots, Tensor pos, "
         "int window, float scale, float softcap=0.0) -> Tensor");
+  m.def("experts(Tensor x, Tensor weights, int gate, int up, int down, int width, int act) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(linnet_kernels, CPU, m) {
   m.impl("linear", &linear);
+  m.impl("experts", &experts);
   m.impl("embedding", [](const torch::Tensor& ids, int64_t handle, int64_t width) {
     const Kernel& k = kernel(handle, {TABLE});
     auto rows = dequant_rows(k.weight, ids, k.fmt);
