@@ -329,7 +329,8 @@ def test_what_llama_cpp_fixes_per_layer_agrees_past_the_window(case, exported):
 
 @needs_llama_cpp
 @pytest.mark.parametrize("case", ["qwen2-bias-tied", "llama-gqa-untied", "granite-multipliers", "olmo2-post-norms",
-                                  "smollm3-nope", "gemma2-softcaps", "gemma3-local-global"])
+                                  "smollm3-nope", "gemma2-softcaps", "gemma3-local-global", "qwen3moe-experts",
+                                  "mixtral-experts"])
 def test_export_hf_from_a_gguf_is_the_checkpoint_again(case, exported, tokenized_checkpoints, tmp_path):
     """GGUF -> Hugging Face: checked in transformers against llama.cpp on the file, and it decodes
     as the checkpoint the GGUF was made from (the q/k rows back in rotate-half order)."""

@@ -255,3 +255,38 @@ def test_sigterm_drains_and_exits(tokenized_checkpoints, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("case", ["qwen3moe-experts", "mixtral-experts"])
+def test_mixtures_of_experts_serve(case, tokenized_checkpoints):
+    """Concurrent rows choose different experts in each step (one ragged call over all their tokens) and
+    all finish; a chat through the model's template answers, token for token (logprobs' bytes), as the
+    model alone does. (Rows batched together match their lone answers only to float32 rounding, dense
+    models' too; the text of random bytes is compared by bytes, as a stream's decoding may differ.)"""
+    path = tokenized_checkpoints[case]
+    session, _ = load_model(path, "torch", "float32", CACHE, rows=4)
+    alone, _ = load_model(path, "torch", "float32", CACHE, rows=1)
+    tok = Tokenizer(path)
+    engine = Engine(session, tok, prefill_chunk=32, max_waiting=64)
+    app = create_app(Server(engine, tok, "moe", Limits(max_tokens=CACHE, max_body_bytes=64 * 1024)))
+    prompts = ["The list object", "A tuple is", "Dictionaries map keys", "Sets hold"]
+    bodies: dict[str, dict] = {}
+    messages = [{"role": "user", "content": "Hello"}]
+    with app_in_thread(app) as url:
+        chat = httpx.post(f"{url}/v1/chat/completions", json={  # first: later ones reuse the prefix cache
+            "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": True},
+            timeout=120).json()["choices"][0]
+
+        def ask(prompt: str) -> None:
+            bodies[prompt] = httpx.post(f"{url}/v1/completions", json={
+                "model": "moe", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True},
+                timeout=120).json()
+
+        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert all(bodies[p]["usage"]["completion_tokens"] == 10 for p in prompts), bodies
+    served = [bytes(c["bytes"]) for c in chat["logprobs"]["content"]]
+    assert served == [tok.token_bytes(t) for t in Generation(alone, tok.apply_chat_template(messages), 8)]

@@ -59,18 +59,24 @@ def stream_bandwidth(device: str, mib: int = 1024, repeats: int = 10, threads: i
 def decode_bytes_per_step(spec: ModelSpec, dtype: str, mean_position: float, batch: int) -> float:
     """Bytes one decode step must read: every weight except the embedding table (a gather reads one
     row; a tied head is read in full as the output projection) in the format `dtype` stores it
-    (quantized blocks included), and each row's KV cache so far in the compute dtype."""
-    from ..quant import param_formats  # imports torch: not at start-up
+    (quantized blocks included), and each row's KV cache so far in the compute dtype. Of a mixture
+    of experts, the experts the step's rows choose: top_k of E for one row, and for `batch` rows the
+    share a uniform router reaches, 1 - (1 - k/E)^batch (the active parameters, not all of them)."""
+    from ..params import expert_stacks  # imports torch: not at start-up
+    from ..quant import param_formats
 
     graph = build_graph(spec)
     formats = param_formats(graph, dtype)
-    weights = 0
-    for full, p, _ in graph.all_params():
+    stacks = expert_stacks(graph)
+    chosen = 1 - (1 - spec.experts_per_token / spec.num_experts) ** batch if spec.num_experts else 1.0
+    weights = 0.0
+    for full, p, layer in graph.all_params():
         if full != "token_embd.weight":
             n = 1
             for d in p.shape:
                 n *= d
-            weights += FORMATS[formats[full]].nbytes(n)
+            read = chosen if layer is not None and full.split(".", 2)[2] in stacks else 1.0
+            weights += FORMATS[formats[full]].nbytes(n) * read
     kv = FORMATS[compute_dtype(dtype)].nbytes(spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim)
     return weights + kv * mean_position * batch
 
