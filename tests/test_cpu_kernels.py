@@ -603,7 +603,7 @@ def test_a_session_without_cpu_kernels_activates_none():
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("tokens", [1, 7])  # a decode step; a prompt whose tokens share experts
+@pytest.mark.parametrize("tokens", [1, 7, 40])  # decode; a few rows (GEMVs in one pass); a prompt (per expert)
 def test_experts_in_one_cpp_call_match_the_per_expert_lines(ext, fmt, tokens):
     """Each expert stack is packed one kernel per expert; the experts op is then one C++ call that
     runs just the chosen experts, and computes what the generated lines do over the same kernels

@@ -101,7 +101,8 @@ def test_sampling_is_seeded_and_chosen_on_device(checkpoints):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("case", ["llama-gqa-untied", "qwen3-headdim128", "phi3-fused-window"])
+@pytest.mark.parametrize("case", ["llama-gqa-untied", "qwen3-headdim128", "phi3-fused-window", "qwen3moe-experts",
+                                  "mixtral-experts"])
 def test_cuda_session_matches_transformers(case, dtype, checkpoints, reference):
     r = verify(checkpoints[case], "torch", dtype, steps=STEPS, reference=reference(case),
                device="cuda")

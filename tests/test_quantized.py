@@ -118,7 +118,8 @@ def test_the_gpu_path_is_the_cpu_kernels_math(fmt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("backend", ["torch", "inductor", "cudagraphs", "onnxruntime", "jax", "stablehlo"])
-def test_quantized_weights_on_cuda(backend, fmt, checkpoints, session_cache):
+@pytest.mark.parametrize("case", ["qwen3-headdim128", "qwen3moe-experts"])  # the latter: experts' blocks per expert
+def test_quantized_weights_on_cuda(case, backend, fmt, checkpoints, session_cache):
     """Every backend that runs blocks on a GPU, against the dequantized reference at float32's
     tolerance (ONNX Runtime's CUDA kernel dequantizes: no int8 activations there)."""
     from linnet_core.backends import get_backend
@@ -130,7 +131,7 @@ def test_quantized_weights_on_cuda(backend, fmt, checkpoints, session_cache):
         get_backend(backend).check_device("cuda")
     except BackendUnavailable as e:
         pytest.skip(e.message)
-    r = verify(checkpoints["qwen3-headdim128"], backend, fmt, steps=6, cache_len=64, device="cuda",
+    r = verify(checkpoints[case], backend, fmt, steps=6, cache_len=64, device="cuda",
                cache=ArtifactCache(session_cache))
     assert r.passed and r.activations == "float32", r.to_json()
 

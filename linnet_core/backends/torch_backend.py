@@ -80,10 +80,13 @@ def device_block_weights(weights, names: dict[str, list[str]]) -> None:
     a token table in BlockTable (the generated `linear` and `embedding` call them)."""
     groups = [(weights["global"], names["global"], "")]
     groups += [(layer, names["block"], f"blk.{i}.") for i, layer in enumerate(weights["layers"])]
+    stacks = names.get("experts", {})
     for group, linear_names, prefix in groups:
         for name in group:
             fmt = weights.format_of(prefix + name)
-            if fmt is not None:
+            if fmt is not None and prefix and name in stacks:  # one per expert: a step runs the chosen ones
+                group[name] = [BlockLinear(part, fmt) for part in group[name].chunk(stacks[name], dim=0)]
+            elif fmt is not None:
                 group[name] = (BlockLinear if name in linear_names else BlockTable)(group[name], fmt)
 
 

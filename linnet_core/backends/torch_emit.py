@@ -118,11 +118,13 @@ def expert_rows(stack, e, count):
 def experts(x, weights, gate, up, down, top_k, act):
     """x [..., H] through the experts weights [..., E] chose: sum of w * down_e(act(gate_e x) * up_e x).
 
-    Eager, only the chosen experts run, each over its own tokens (a decode step reads just their
-    weights). Traced by a compiler, every expert runs over every token, weight 0 where not chosen:
-    shapes that compile whole, at E / top_k times the multiplications.
+    On the runtime's CPU kernels (each stack one kernel per expert) the whole op is one C++ call over
+    the chosen experts, eager or compiled. Otherwise, eager, only the chosen experts run, each over
+    its own tokens (a decode step reads just their weights); traced by a compiler, every expert runs
+    over every token, weight 0 where not chosen: shapes that compile whole, at E / top_k times the
+    multiplications.
     """
-    fused = getattr(gate, "experts", None)  # the runtime's CPU kernels: the whole op in one call
+    fused = getattr(gate, "experts", None)
     out = fused(x, weights, up, down, act) if fused is not None else None
     if out is not None:
         return out

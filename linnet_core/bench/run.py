@@ -33,7 +33,7 @@ from ..dtypes import FORMATS
 from ..errors import CacheError, InputError, LinnetError
 from ..export.gguf_export import export_gguf
 from ..export.hf_export import export_hf
-from ..memory import check_fits
+from ..memory import GIB, available_bytes, check_fits, weight_bytes
 from ..tokenizer import Tokenizer
 from ..weights import drop_cached
 from .machine import decode_bytes_per_step, environment, stream_bandwidth
@@ -394,7 +394,15 @@ def _file_prompt(m: Model, path: str) -> list[int]:
 
 
 def _too_big(subject: Subject, m: Model, dtype: str, method: Method, device: str) -> str | None:
-    """Why a Linnet side cannot fit in this machine's memory, from the sizes (before minutes of compiling)."""
+    """Why a Linnet side, or transformers on a CPU, cannot fit in this machine's memory, from the sizes
+    (before minutes of compiling, or an export of the reference as large as the model in float32)."""
+    if subject.key in ("transformers", "transformers-compiled") and device == "cpu":
+        wide = "float32" if FORMATS[dtype].quantized else dtype  # the reference computes on the dequantized weights
+        need, free = weight_bytes(m.spec, wide) + GIB, available_bytes()
+        if free is not None and need > free:
+            return (f"transformers would hold the weights in {wide}: {need / GIB:.1f} GiB, and "
+                    f"{free / GIB:.1f} GiB are available")
+        return None
     if not subject.is_linnet:
         return None
     try:

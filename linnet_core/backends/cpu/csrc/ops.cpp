@@ -25,6 +25,8 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor gemv_f32(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor packed_float_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N);
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t out_features);
+torch::Tensor quant_gemv_many(const torch::Tensor& x, const std::vector<torch::Tensor>& ws,
+                              const std::vector<int64_t>& rows, int64_t fmt, int64_t N);
 torch::Tensor dequant_rows(const torch::Tensor& blocks, const torch::Tensor& ids, int64_t fmt);
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                int64_t layer, const torch::Tensor& slots, const torch::Tensor& pos, int64_t window,
@@ -99,6 +101,22 @@ torch::Tensor linear(const torch::Tensor& x, int64_t handle, int64_t out_feature
   return y;
 }
 
+// Up to this many (token, expert) pairs, the experts run as GEMVs in one pass per stage (decode's few
+// rows); past it each chosen expert's matrices run once over all its tokens (a prompt's GEMMs).
+constexpr int64_t GEMV_PAIRS = 64;
+
+// Whether every chosen expert's kernels are GGUF blocks of one format (the GEMV pass's kind).
+bool one_block_format(std::initializer_list<int64_t> bases, const std::vector<int64_t>& chosen) {
+  int64_t fmt = -1;
+  for (int64_t base : bases)
+    for (int64_t e : chosen) {
+      const Kernel& k = kernel(base + e, {BLOCKS, BF16, ROW, PACKED});
+      if (k.kind != BLOCKS || (fmt >= 0 && k.fmt != fmt)) return false;
+      fmt = k.fmt;
+    }
+  return true;
+}
+
 // x [..., H] through the experts `weights` [..., E] chose (nonzero), summed by weight: down_e(act(gate_e x)
 // * up_e x), act 0 silu, 1 gelu, 2 gelu-tanh, each expert `width` wide. Expert e's kernels are handles gate + e, up + e, down + e (a stack packed one kernel per
 // expert). Each chosen expert runs once over its own tokens, in expert order, so a decode step reads just
@@ -112,6 +130,30 @@ torch::Tensor experts(const torch::Tensor& x, const torch::Tensor& weights, int6
   auto out = torch::zeros_like(flat);
   const float* wp = w.data_ptr<float>();
   const int64_t N = w.size(0);
+  std::vector<int64_t> tokens, chosen;  // the (token, expert) pairs, by expert
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t t = 0; t < N; ++t)
+      if (wp[t * E + e] != 0.0f) tokens.push_back(t), chosen.push_back(e);
+  if (!tokens.empty() && (int64_t)tokens.size() <= GEMV_PAIRS && one_block_format({gate, up, down}, chosen)) {
+    // decode: each pair's three products as GEMVs, all pairs' in one pass per stage
+    const int64_t P = tokens.size(), fmt = kernel(gate + chosen[0], {BLOCKS}).fmt;
+    std::vector<torch::Tensor> first;
+    std::vector<int64_t> rows;
+    for (int64_t base : {gate, up})
+      for (int64_t p = 0; p < P; ++p) first.push_back(kernel(base + chosen[p], {BLOCKS}).weight), rows.push_back(tokens[p]);
+    auto gu = quant_gemv_many(flat, first, rows, fmt, width);  // [2P, F]: the gates, then the ups
+    auto g = gu.narrow(0, 0, P), u = gu.narrow(0, P, P);
+    auto h = (act == 0 ? at::silu(g) : at::gelu(g, act == 2 ? "tanh" : "none")) * u;
+    std::vector<torch::Tensor> second;
+    std::vector<int64_t> own(P);
+    for (int64_t p = 0; p < P; ++p) second.push_back(kernel(down + chosen[p], {BLOCKS}).weight), own[p] = p;
+    auto y = quant_gemv_many(h, second, own, fmt, H);  // [P, H]
+    std::vector<float> scale(P);
+    for (int64_t p = 0; p < P; ++p) scale[p] = wp[tokens[p] * E + chosen[p]];
+    y.mul_(torch::tensor(scale).unsqueeze(1));
+    out.index_add_(0, torch::tensor(tokens, torch::kLong), y);  // each token's experts in expert order
+    return out.reshape(x.sizes());
+  }
   for (int64_t e = 0; e < E; ++e) {
     std::vector<int64_t> rows;
     for (int64_t t = 0; t < N; ++t)
