@@ -162,8 +162,9 @@ def summary(graph: Graph, fmt: str) -> str | None:
     if not FORMATS[fmt].quantized:
         return None
     quantized = sum(FORMATS[f].quantized for f in param_formats(graph, fmt).values())
+    routers = any(n.op == "route" for n in graph.block.nodes)  # kept wide: see ops.matrix_inputs
     line = (f"weights: {quantized} tensors in {fmt} blocks (the output head in {HEAD_FORMAT}), "
-            f"norms and biases in {compute_dtype(fmt)}")
+            f"{'norms, biases and routers' if routers else 'norms and biases'} in {compute_dtype(fmt)}")
     wide = kept_wide(graph, fmt)
     if wide:
         line += f"; kept in {compute_dtype(fmt)}, input size not a multiple of {BLOCK}: {', '.join(wide)}"

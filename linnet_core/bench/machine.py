@@ -63,7 +63,7 @@ def decode_bytes_per_step(spec: ModelSpec, dtype: str, mean_position: float, bat
     of experts, the experts the step's rows choose: top_k of E for one row, and for `batch` rows the
     share a uniform router reaches, 1 - (1 - k/E)^batch (the active parameters, not all of them)."""
     from ..params import expert_stacks  # imports torch: not at start-up
-    from ..quant import param_formats
+    from ..quant import param_formats  # imports torch: not at start-up
 
     graph = build_graph(spec)
     formats = param_formats(graph, dtype)

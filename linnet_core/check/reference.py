@@ -104,7 +104,7 @@ def as_quantized(model, spec, fmt: str, activations: str = "float32") -> None:
     import torch
 
     from ..params import expert_stacks  # imports torch: not at start-up
-    from ..quant import dequantize, int8_blocks, param_formats, quantize
+    from ..quant import dequantize, int8_blocks, param_formats, quantize  # imports torch: not at start-up
 
     graph = build_graph(spec)
     formats = param_formats(graph, fmt)

@@ -54,6 +54,8 @@ class GgufLayout:
 
 
 GLOBAL_ROLES = ("token_embd.weight", "output_norm.weight", "output.weight")  # output: absent when tied
+# A mixture of experts: the router, and each expert's matrices (names hold `{e}`; stacked by rows)
+EXPERT_ROLES = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 BLOCK_ROLES = (
     "attn_norm.weight",
     "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_qkv.weight",
@@ -62,11 +64,8 @@ BLOCK_ROLES = (
     "attn_output.weight", "attn_output.bias", "post_attention_norm.weight",
     "ffn_norm.weight", "post_ffw_norm.weight",
     "ffn_gate.weight", "ffn_up.weight", "ffn_gate_up.weight", "ffn_down.weight",
-    "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias",
-    # mixture of experts: the router, and each expert's matrices (names hold `{e}`, stacked by rows)
-    "ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight",
+    "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias", *EXPERT_ROLES,
 )
-EXPERT_ROLES = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
 
 # Parts every decoder has, and the alternatives of which one must be mapped (fused or separate).
