@@ -154,6 +154,42 @@ def test_seed_configs_are_the_real_models(name, params, tied, window):
     assert getattr(config, "sliding_window", None) == window
 
 
+def test_the_moe_seed_is_qwen3_30b_a3b_and_a_tiny_one_runs_beside_llama_cpp(tmp_path):
+    """30.5B parameters, 3.3B of them read per token (the model card's), from the graph alone; the same
+    family at test size, written straight to a q4_0 GGUF, verifies against llama.cpp on the file."""
+    import math
+
+    import transformers
+    from make_seed_models import GGUF_SEEDS, write_gguf_seed
+
+    from linnet_core.check.verify import verify
+    from linnet_core.gguf.reader import read_gguf
+    from linnet_core.models import build_graph, spec_from_config
+    from linnet_core.params import expert_stacks
+
+    cls, fields, _, fmt = GGUF_SEEDS["qwen3-30b-a3b"]
+    spec = spec_from_config(getattr(transformers, cls)(**fields).to_dict())
+    graph = build_graph(spec)
+    stacks = expert_stacks(graph)
+    total = active = 0.0
+    for full, p, layer in graph.all_params():
+        n = math.prod(p.shape)
+        total += n
+        active += n * (spec.experts_per_token / spec.num_experts if layer is not None and
+                       full.split(".", 2)[2] in stacks else 1)
+    assert abs(total - 30.5e9) / 30.5e9 < 0.01 and abs(active - 3.3e9) / 3.3e9 < 0.03, (total, active)
+    pytest.importorskip("llama_cpp")
+    from linnet_core.backends.cpu import extension
+
+    if extension.extension() is None:
+        pytest.skip(f"q4_0 needs Linnet's CPU kernels: {extension.why_not()}")
+    tiny = write_gguf_seed("qwen3-30b-a3b", tmp_path / "moe.gguf", tiny=True)
+    with read_gguf(tiny) as g:
+        assert g.metadata["general.architecture"] == "qwen3moe" and g.metadata["qwen3moe.expert_count"] == 8
+    r = verify(tiny, "torch", fmt, steps=4, prompt="Hello world")
+    assert r.passed and r.tokens_match, r
+
+
 def test_seed_shards_stay_under_their_size():
     from make_seed_models import plan_shards
 
