@@ -232,8 +232,9 @@ def test_llama3_rope_scaling_is_read_from_the_rope_freqs_tensor(exported, tokeni
 
 def written_by_the_gguf_package(src, dst, qtype: str):
     """`src` (a float32 GGUF) written again by the gguf package alone, none of Linnet's writer: every
-    field copied, each 2-D weight converted or quantized by gguf.quants to `qtype`, 1-D tensors (norms,
-    biases, rope factors) kept float32 as llama.cpp's converter keeps them."""
+    field copied, each weight matrix (and 3-d expert stack) converted or quantized by gguf.quants to
+    `qtype`; 1-D tensors (norms, biases, rope factors) and a router (ffn_gate_inp) kept float32 as
+    llama.cpp's converter keeps them."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
@@ -246,7 +247,7 @@ def written_by_the_gguf_package(src, dst, qtype: str):
             w.add_key_value(name, field.contents(), vtype, sub)
     for t in reader.tensors:
         data = np.asarray(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
-        if data.ndim == 2:
+        if data.ndim >= 2 and not t.name.endswith("ffn_gate_inp.weight"):
             data = gguf.quants.quantize(data, Q[qtype])
             w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=Q[qtype])
         else:
@@ -275,9 +276,12 @@ def test_ggufs_the_gguf_package_writes_compute_as_llama_cpp(qtype, exported, tmp
         assert report.passed, (case, report.distance, report.tolerance)
         # A random fixture's logits sit near ties, which int8 activations may break either way: at 4 bits
         # any step; at 8 bits a step where the logits agree as a whole (smollm3's 4th layer leaves a last
-        # step whose top two logits in llama.cpp differ by 0.04, 1% of their scale).
+        # step whose top two logits in llama.cpp differ by 0.04, 1% of their scale). A router's top-k is
+        # such a tie too: 16-bit activations may take another expert (mixtral's BF16: distance 0.07
+        # against a tolerance of 0.55, tokens identical when computed in float32).
+        near_tie = qtype == "Q8_0" or (spec.num_experts and qtype != "F32")
         assert (report.tokens_match or qtype == "Q4_0"
-                or (qtype == "Q8_0" and report.distance <= report.tolerance / 2)), (case, repr(report))
+                or (near_tie and report.distance <= report.tolerance / 2)), (case, repr(report))
 
 
 @needs_llama_cpp
