@@ -105,22 +105,22 @@ torch::Tensor linear(const torch::Tensor& x, int64_t handle, int64_t out_feature
 // rows); past it each chosen expert's matrices run once over all its tokens (a prompt's GEMMs).
 constexpr int64_t GEMV_PAIRS = 64;
 
-// Whether every chosen expert's kernels are GGUF blocks of one format (the GEMV pass's kind).
-bool one_block_format(std::initializer_list<int64_t> bases, const std::vector<int64_t>& chosen) {
+// The GGUF block format all the chosen experts' kernels share (the GEMV pass's kind), or -1.
+int64_t shared_block_format(std::initializer_list<int64_t> bases, const std::vector<int64_t>& chosen) {
   int64_t fmt = -1;
   for (int64_t base : bases)
     for (int64_t e : chosen) {
       const Kernel& k = kernel(base + e, {BLOCKS, BF16, ROW, PACKED});
-      if (k.kind != BLOCKS || (fmt >= 0 && k.fmt != fmt)) return false;
+      if (k.kind != BLOCKS || (fmt >= 0 && k.fmt != fmt)) return -1;
       fmt = k.fmt;
     }
-  return true;
+  return fmt;
 }
 
 // x [..., H] through the experts `weights` [..., E] chose (nonzero), summed by weight: down_e(act(gate_e x)
-// * up_e x), act 0 silu, 1 gelu, 2 gelu-tanh, each expert `width` wide. Expert e's kernels are handles gate + e, up + e, down + e (a stack packed one kernel per
-// expert). Each chosen expert runs once over its own tokens, in expert order, so a decode step reads just
-// the chosen experts' weights, and the dozens of small calls a Python loop made per layer are one.
+// * up_e x); act 0 silu, 1 gelu, 2 gelu-tanh; each expert `width` wide. Expert e's kernels are handles
+// gate + e, up + e, down + e (a stack packed one kernel per expert). Only the chosen experts run, so a
+// decode step reads just their weights, and the dozens of small calls a Python loop made a layer are one.
 torch::Tensor experts(const torch::Tensor& x, const torch::Tensor& weights, int64_t gate, int64_t up, int64_t down,
                       int64_t width, int64_t act) {
   const int64_t H = x.size(-1), E = weights.size(-1);
@@ -134,13 +134,15 @@ torch::Tensor experts(const torch::Tensor& x, const torch::Tensor& weights, int6
   for (int64_t e = 0; e < E; ++e)
     for (int64_t t = 0; t < N; ++t)
       if (wp[t * E + e] != 0.0f) tokens.push_back(t), chosen.push_back(e);
-  if (!tokens.empty() && (int64_t)tokens.size() <= GEMV_PAIRS && one_block_format({gate, up, down}, chosen)) {
-    // decode: each pair's three products as GEMVs, all pairs' in one pass per stage
-    const int64_t P = tokens.size(), fmt = kernel(gate + chosen[0], {BLOCKS}).fmt;
+  const bool few = !tokens.empty() && (int64_t)tokens.size() <= GEMV_PAIRS;
+  const int64_t fmt = few ? shared_block_format({gate, up, down}, chosen) : -1;
+  if (fmt >= 0) {  // decode: each pair's three products as GEMVs, all pairs' in one pass per stage
+    const int64_t P = tokens.size();
     std::vector<torch::Tensor> first;
     std::vector<int64_t> rows;
     for (int64_t base : {gate, up})
-      for (int64_t p = 0; p < P; ++p) first.push_back(kernel(base + chosen[p], {BLOCKS}).weight), rows.push_back(tokens[p]);
+      for (int64_t p = 0; p < P; ++p)
+        first.push_back(kernel(base + chosen[p], {BLOCKS}).weight), rows.push_back(tokens[p]);
     auto gu = quant_gemv_many(flat, first, rows, fmt, width);  // [2P, F]: the gates, then the ups
     auto g = gu.narrow(0, 0, P), u = gu.narrow(0, P, P);
     auto h = (act == 0 ? at::silu(g) : at::gelu(g, act == 2 ? "tanh" : "none")) * u;
@@ -154,7 +156,7 @@ torch::Tensor experts(const torch::Tensor& x, const torch::Tensor& weights, int6
     out.index_add_(0, torch::tensor(tokens, torch::kLong), y);  // each token's experts in expert order
     return out.reshape(x.sizes());
   }
-  for (int64_t e = 0; e < E; ++e) {
+  for (int64_t e = 0; e < E; ++e) {  // a prompt: each chosen expert once over all its tokens, in expert order
     std::vector<int64_t> rows;
     for (int64_t t = 0; t < N; ++t)
       if (wp[t * E + e] != 0.0f) rows.push_back(t);

@@ -260,8 +260,10 @@ torch::Tensor quant_gemv_many(const torch::Tensor& x, const std::vector<torch::T
       const int64_t j = i / groups, grp = i % groups, r = rows[j];
       const Acts a{q.data_ptr<int8_t>() + r * K, d.data_ptr<float>() + r * nb, corr.data_ptr<int32_t>() + r * nb, K};
       const int64_t valid = std::min(ROWS, N - grp * ROWS);
-      if (fmt == Q8_0) group_rows<Q8_0, 1>(a, 0, 1, w[j] + grp * gstride, gstride, nb, yp + j * N + grp * ROWS, N, valid);
-      else group_rows<Q4_0, 1>(a, 0, 1, w[j] + grp * gstride, gstride, nb, yp + j * N + grp * ROWS, N, valid);
+      const uint8_t* g = w[j] + grp * gstride;
+      float* out = yp + j * N + grp * ROWS;
+      if (fmt == Q8_0) group_rows<Q8_0, 1>(a, 0, 1, g, gstride, nb, out, N, valid);
+      else group_rows<Q4_0, 1>(a, 0, 1, g, gstride, nb, out, N, valid);
     }
   });
   return y;
