@@ -278,7 +278,8 @@ def _experts(L: _Lowering, n: Node, x: list[str]) -> list[str]:
     count = L.g.values[n.inputs[1]].shape[-1]
     rows, width = L.shapes[down]  # [E * H, F]
     hidden = rows // count
-    gated = b.op("Mul", [decompose.activation(b, _linear(L, n, [h, gate])[0], n.attrs["act"]), _linear(L, n, [h, up])[0]])
+    activated = decompose.activation(b, _linear(L, n, [h, gate])[0], n.attrs["act"])
+    gated = b.op("Mul", [activated, _linear(L, n, [h, up])[0]])
     gated = b.op("Mul", [b.op("Reshape", [gated, b.const([0, 0, count, width])]),
                          b.op("Unsqueeze", [weights, b.const([-1])])])  # [B, T, E, F]
     per_expert = b.op("Reshape", [b.op("Transpose", [gated], perm=[2, 0, 1, 3]), b.const([count, -1, width])])

@@ -137,8 +137,8 @@ class TorchSession(Session):
             slots_t = torch.tensor(slots, dtype=torch.int64, device=self.device)  # [B]
             last = torch.full((len(ids),), len(ids[0]) - 1, dtype=torch.int64, device=self.device)  # [B]
             with active(self.kernels):
-                    return self.step_fn(self.weights, ids_t, start_t, slots_t, last, kv_len, self.k_cache,
-                                     self.v_cache, all_logits)
+                return self.step_fn(self.weights, ids_t, start_t, slots_t, last, kv_len, self.k_cache, self.v_cache,
+                                    all_logits)
 
     def _copy_rows(self, src: int, dst: int, n: int) -> None:
         for cache in (self.k_cache, self.v_cache):  # [layers, rows, kv_heads, cache_len, head_dim]

@@ -72,8 +72,8 @@ BLOCK_ROLES = (
 # Each branch's norms are its own: before it (`attn_norm`, `ffn_norm`), after it (`post_*`), or both.
 REQUIRED_ROLES = ("token_embd.weight", "output_norm.weight", "attn_output.weight")
 ALTERNATIVE_ROLES = ((("attn_qkv.weight",), ("attn_q.weight", "attn_k.weight", "attn_v.weight")),
-                     (("ffn_gate_up.weight", "ffn_down.weight"), ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"),
-                      EXPERT_ROLES),  # the MLP: fused, separate, or experts
+                     (("ffn_gate_up.weight", "ffn_down.weight"),  # the MLP: fused, separate, or experts
+                      ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"), EXPERT_ROLES),
                      ((), ("attn_q_norm.weight", "attn_k_norm.weight")))  # q/k norms: none, or both
 
 
