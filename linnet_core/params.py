@@ -118,6 +118,19 @@ def linear_weights(graph: Graph) -> dict[str, list[str]]:
             "experts": expert_stacks(graph)}
 
 
+def read_shares(graph: Graph, batch: int = 1) -> dict[str, float]:
+    """Each param's (full name) share that a decode step of `batch` rows reads: all of it, or of an
+    expert stack the experts the rows choose (top_k of E for one row; for several, the share a uniform
+    router reaches, 1 - (1 - k/E)^batch): a mixture of experts' active parameters."""
+    top_k = {n.inputs[i]: (n.attrs["top_k"], graph.values[n.inputs[1]].shape[-1]) for n in graph.block.nodes
+             if n.op == "experts" for i in OPS[n.op].matrices}
+    shares = {}
+    for full, _, layer in graph.all_params():
+        k, count = top_k.get(full.split(".", 2)[2], (1, 1)) if layer is not None else (1, 1)
+        shares[full] = 1 - (1 - k / count) ** batch
+    return shares
+
+
 def expert_stacks(graph: Graph) -> dict[str, int]:
     """{local name: experts} of the block's stacked expert matrices (a runtime packs each expert's own)."""
     return {n.inputs[i]: graph.values[n.inputs[1]].shape[-1] for n in graph.block.nodes if n.op == "experts"

@@ -116,6 +116,46 @@ GRANITE_2B = {"architectures": ["GraniteForCausalLM"], "attention_bias": False, 
               "torch_dtype": "bfloat16", "vocab_size": 49159}
 
 
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "bos_token_id": 151643,
+                 "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+                 "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 40960,
+                 "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+                 "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+                 "num_hidden_layers": 48, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None,
+                 "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+                 "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936}
+MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+                "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+                "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8,
+                "num_local_experts": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
+                "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 32000}
+
+
+@pytest.mark.parametrize("config,experts,top_k,width,total,active", [
+    (QWEN3_30B_A3B, 128, 8, 768, 30.5e9, 3.3e9), (MIXTRAL_8X7B, 8, 2, 14336, 46.7e9, 12.9e9)])
+def test_published_mixtures_of_experts_are_read(config, experts, top_k, width, total, active):
+    """Both spellings of the expert count; the graph's parameters, all and read per token, as the model
+    cards give them (from the shapes alone)."""
+    import math
+
+    from linnet_core.models import build_graph
+    from linnet_core.params import read_shares
+
+    spec = spec_from_config(config)
+    assert (spec.num_experts, spec.experts_per_token, spec.expert_intermediate_size) == (experts, top_k, width)
+    assert spec.normalize_expert_weights and spec.layer_windows == (None,) * spec.num_layers
+    graph = build_graph(spec)
+    shares = read_shares(graph)
+    every = sum(math.prod(p.shape) for _, p, _ in graph.all_params())
+    read = sum(math.prod(p.shape) * shares[full] for full, p, _ in graph.all_params())
+    assert abs(every - total) / total < 0.01 and abs(read - active) / active < 0.03, (every, read)
+
+
+def test_a_mixture_of_dense_and_expert_layers_is_refused_in_one_line():
+    with pytest.raises(UnsupportedModel, match="mixes dense and expert layers"):
+        spec_from_config({**QWEN3_30B_A3B, "mlp_only_layers": [0, 1]})
+
+
 def test_published_configs_of_the_new_families_are_read():
     g3 = spec_from_config(GEMMA3_1B)
     assert g3.layer_windows == ((512,) * 5 + (None,)) * 4 + (512,) * 2  # 26 layers: 5 sliding to each full one

@@ -60,23 +60,20 @@ def decode_bytes_per_step(spec: ModelSpec, dtype: str, mean_position: float, bat
     """Bytes one decode step must read: every weight except the embedding table (a gather reads one
     row; a tied head is read in full as the output projection) in the format `dtype` stores it
     (quantized blocks included), and each row's KV cache so far in the compute dtype. Of a mixture
-    of experts, the experts the step's rows choose: top_k of E for one row, and for `batch` rows the
-    share a uniform router reaches, 1 - (1 - k/E)^batch (the active parameters, not all of them)."""
-    from ..params import expert_stacks  # imports torch: not at start-up
+    of experts, only the experts the step's rows choose (params.read_shares)."""
+    from ..params import read_shares  # imports torch: not at start-up
     from ..quant import param_formats  # imports torch: not at start-up
 
     graph = build_graph(spec)
     formats = param_formats(graph, dtype)
-    stacks = expert_stacks(graph)
-    chosen = 1 - (1 - spec.experts_per_token / spec.num_experts) ** batch if spec.num_experts else 1.0
+    shares = read_shares(graph, batch)
     weights = 0.0
-    for full, p, layer in graph.all_params():
+    for full, p, _ in graph.all_params():
         if full != "token_embd.weight":
             n = 1
             for d in p.shape:
                 n *= d
-            read = chosen if layer is not None and full.split(".", 2)[2] in stacks else 1.0
-            weights += FORMATS[formats[full]].nbytes(n) * read
+            weights += FORMATS[formats[full]].nbytes(n) * shares[full]
     kv = FORMATS[compute_dtype(dtype)].nbytes(spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim)
     return weights + kv * mean_position * batch
 
