@@ -122,16 +122,20 @@ def read_shares(graph: Graph, batch: int = 1) -> dict[str, float]:
     """Each param's (full name) share that a decode step of `batch` rows reads: all of it, or of an
     expert stack the experts the rows choose (top_k of E for one row; for several, the share a uniform
     router reaches, 1 - (1 - k/E)^batch): a mixture of experts' active parameters."""
-    top_k = {n.inputs[i]: (n.attrs["top_k"], graph.values[n.inputs[1]].shape[-1]) for n in graph.block.nodes
-             if n.op == "experts" for i in OPS[n.op].matrices}
+    stacks = _expert_matrices(graph)
     shares = {}
     for full, _, layer in graph.all_params():
-        k, count = top_k.get(full.split(".", 2)[2], (1, 1)) if layer is not None else (1, 1)
+        count, k = stacks.get(full.split(".", 2)[2], (1, 1)) if layer is not None else (1, 1)
         shares[full] = 1 - (1 - k / count) ** batch
     return shares
 
 
 def expert_stacks(graph: Graph) -> dict[str, int]:
     """{local name: experts} of the block's stacked expert matrices (a runtime packs each expert's own)."""
-    return {n.inputs[i]: graph.values[n.inputs[1]].shape[-1] for n in graph.block.nodes if n.op == "experts"
-            for i in OPS[n.op].matrices}
+    return {name: count for name, (count, _) in _expert_matrices(graph).items()}
+
+
+def _expert_matrices(graph: Graph) -> dict[str, tuple[int, int]]:
+    """{local name: (experts, top_k)} of each matrix an `experts` op stacks."""
+    return {n.inputs[i]: (graph.values[n.inputs[1]].shape[-1], n.attrs["top_k"]) for n in graph.block.nodes
+            if n.op == "experts" for i in OPS[n.op].matrices}

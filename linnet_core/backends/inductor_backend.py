@@ -108,9 +108,8 @@ class CompiledTorchSession(TorchSession):
 
     def __init__(self, module, weights, kernels: list, info: dict, rows: int, device: str, backend: str,
                  mode: str | None, cache_dir: Path):
-        super().__init__(module, weights, info, rows + 1, device, backend)
+        super().__init__(module, weights, info, rows + 1, device, backend, kernels)
         self.cache_dir = cache_dir
-        self.kernels = kernels
         self.rows = rows  # row `rows` is the spare one that padding rows write into
         # The caches are updated in place every step: a static address lets inductor write them
         # where they lie instead of through copies (and lets CUDA graphs replay over them).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +111,7 @@ def as_quantized(model, spec, fmt: str, activations: str = "float32") -> None:
     formats = param_formats(graph, fmt)
     named = dict(model.named_parameters(remove_duplicate=False))
     stacks = expert_stacks(graph)
+    fused = _fused_experts(named) if stacks else {}
     done: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for full, p, layer in graph.all_params():
@@ -121,7 +123,7 @@ def as_quantized(model, spec, fmt: str, activations: str = "float32") -> None:
                     continue
                 w = named.get(src)
                 if w is None and local in stacks:
-                    w = _expert_view(named, layer, local, k)
+                    w = _expert_view(fused, layer, local, k)
                 if w is None:
                     raise BackendUnavailable(f"the reference has no weight '{src}' to quantize as {formats[full]}")
                 w.copy_(dequantize(quantize(w.float(), formats[full]), formats[full]).to(w.dtype))
@@ -133,15 +135,21 @@ def as_quantized(model, spec, fmt: str, activations: str = "float32") -> None:
                 module.register_forward_pre_hook(lambda _, args: (int8_blocks(args[0]), *args[1:]))
 
 
-def _expert_view(named: dict, layer: int, role: str, expert: int):
-    """Expert `expert`'s matrix of `role` in transformers' own layout of a layer's experts (one
-    `gate_up_proj` [E, 2F, H], gate rows first, and one `down_proj` [E, H, F]), or None."""
-    suffix = "gate_up_proj" if role in ("ffn_gate_exps.weight", "ffn_up_exps.weight") else "down_proj"
-    found = [w for name, w in named.items() if f"layers.{layer}." in name and name.endswith(f".experts.{suffix}")]
-    if len(found) != 1:
+def _fused_experts(named: dict) -> dict[tuple[int, str], "torch.Tensor"]:
+    """transformers' own layout of each layer's experts, {(layer, "gate_up_proj" | "down_proj"): weight}:
+    one `gate_up_proj` [E, 2F, H], gate rows first, and one `down_proj` [E, H, F]."""
+    found = {name: re.search(r"layers\.(\d+)\..*\bexperts\.(gate_up_proj|down_proj)$", name) for name in named}
+    return {(int(m[1]), m[2]): named[name] for name, m in found.items() if m}
+
+
+def _expert_view(fused: dict, layer: int, role: str, expert: int):
+    """Expert `expert`'s matrix of `role` in the layer's fused experts (_fused_experts), or None."""
+    gate_or_up = role in ("ffn_gate_exps.weight", "ffn_up_exps.weight")
+    w = fused.get((layer, "gate_up_proj" if gate_or_up else "down_proj"))
+    if w is None:
         return None
-    w = found[0][expert]
-    if suffix == "down_proj":
+    w = w[expert]
+    if not gate_or_up:
         return w
     half = w.shape[0] // 2
     return w[:half] if role == "ffn_gate_exps.weight" else w[half:]
