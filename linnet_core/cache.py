@@ -33,6 +33,7 @@ from typing import Any, Callable
 from filelock import FileLock
 
 from . import __version__
+from .artifact_store import SharedStore
 from .errors import CacheError
 from .file_locks import SharedLock, try_exclusive
 from .private_dirs import check_private, make_private_dir
@@ -152,12 +153,14 @@ class Entry:
     hit: bool
     manifest: dict[str, Any]
     lease: Lease | None = None  # held by whoever loads from the entry
+    fetched: bool = False  # copied from the shared artifact store, not compiled here
 
 
 class ArtifactCache:
-    def __init__(self, root: Path | None = None):
+    def __init__(self, root: Path | None = None, shared: SharedStore | None = None):
         self.root = Path(root) if root is not None else cache_root()
         self.store = WeightStore(self.root)
+        self.shared = shared if shared is not None else SharedStore.from_env()  # a cluster's: artifact_store.py
 
     @property
     def artifacts(self) -> Path:
@@ -240,6 +243,8 @@ class ArtifactCache:
             if manifest is not None:
                 self._vet(path, manifest)
                 self.touch(path)
+                if self.shared:  # compiled before the store was set: the cluster gets it too
+                    self.shared.publish(path, key.dirname)
                 return Entry(path, True, manifest, lease)
         except _Damaged:
             pass  # rebuilt below, under the lock
@@ -258,13 +263,32 @@ class ArtifactCache:
             tmp = self.root / "tmp" / f"{key.digest[:32]}.{uuid.uuid4().hex[:8]}"
             tmp.mkdir(mode=0o700)
             try:
-                build(tmp)
-                manifest = self._write_manifest(tmp, key, meta or {})
+                manifest = self._fetch(key, tmp)
+                fetched = manifest is not None
+                if not fetched:
+                    build(tmp)
+                    manifest = self._write_manifest(tmp, key, meta or {})
                 os.rename(tmp, path)
             except BaseException:  # Ctrl-C included: never leave a half entry
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-            return Entry(path, False, manifest, lease)
+            if self.shared and not fetched:
+                self.shared.publish(path, key.dirname)
+            return Entry(path, fetched, manifest, lease, fetched)
+
+    def _fetch(self, key: ArtifactKey, tmp: Path) -> dict[str, Any] | None:
+        """The shared store's entry for `key`, copied into `tmp` and checked as a local entry is; None
+        (and `tmp` emptied) when the store has none or it does not check out."""
+        if self.shared is None or not self.shared.fetch(key.dirname, key.digest, tmp):
+            return None
+        try:
+            return self.check(tmp, key)
+        except _Damaged as e:
+            warnings.warn(f"the artifact store's {key.dirname} is damaged ({e}); compiling here", CacheWarning,
+                          stacklevel=3)
+            for child in tmp.iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+            return None
 
     def _lock_path(self, digest: str, kind: str) -> Path:
         return self.root / "locks" / f"{digest}.{kind}"

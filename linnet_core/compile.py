@@ -139,6 +139,8 @@ def compile_model(model: str | Path | Model | None, backend: str = "torch", dtyp
         be.compile(build_graph(m.spec), ckpt, dt, n, out, place=cache.placer(key))
 
     entry = cache.get_or_build(key, build, meta={"source": str(m.path), "model_type": m.spec.model_type})
+    if entry.fetched and progress:
+        progress(f"{key.model} for {be.name} ({dt}) came compiled from the artifact store {cache.shared.url}")
     return Compiled(m, be.name, dt, n, entry.path, entry.hit, time.perf_counter() - t0, entry.lease)
 
 

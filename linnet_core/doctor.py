@@ -13,6 +13,7 @@ import platform
 import sys
 from dataclasses import asdict, dataclass
 
+from .artifact_store import STORE_ENV
 from .backends import BACKEND_NAMES, get_backend
 from .errors import BackendUnavailable, CacheError
 
@@ -88,6 +89,9 @@ def package_checks() -> list[Check]:
     gguf = _version("gguf")
     out.append(Check("GGUF writer", bool(gguf), f"gguf {gguf}" if gguf else "not installed",
                      None if gguf else "pip install 'linnet[gguf]'"))
+    ray = _version("ray")
+    out.append(Check("Ray Serve (serve --ray)", bool(ray) and bool(importlib.util.find_spec("ray.serve")),
+                     f"ray {ray}" if ray else "not installed", None if ray else "pip install 'linnet[ray]'"))
     return out
 
 
@@ -113,7 +117,8 @@ def cache_check() -> Check:
     except CacheError as e:
         return Check("artifact cache", False, e.message, e.hint)
     source = "LINNET_CACHE" if os.environ.get("LINNET_CACHE") else "default"
-    return Check("artifact cache", True, f"{cache.root} ({source})")
+    shared = f"; shared store {cache.shared.url} ({STORE_ENV})" if cache.shared else ""
+    return Check("artifact cache", True, f"{cache.root} ({source}){shared}")
 
 
 def diagnose() -> dict[str, list[Check]]:

@@ -27,6 +27,11 @@ def test_doctor_reports_every_backend(monkeypatch, tmp_path):
             assert c["fix"] and "pip install" in c["fix"]
     names = {c["name"] for c in data["platform"]}
     assert {"Python", "PyTorch", "GPU", "artifact cache"} <= names
+    ray = next(c for c in data["packages"] if c["name"] == "Ray Serve (serve --ray)")
+    assert ray["ready"] or ray["fix"] == "pip install 'linnet[ray]'"
+    shared = json.loads(invoke("doctor", "--json", env={"LINNET_ARTIFACT_STORE": str(tmp_path / "s")}).stdout)
+    cache = next(c for c in shared["platform"] if c["name"] == "artifact cache")
+    assert f"shared store {tmp_path / 's'}" in cache["detail"]
     human = invoke("doctor")
     assert human.exit_code == 0 and "backends" in human.stdout and "ready" in human.stdout
 
@@ -115,10 +120,24 @@ def test_cache_rm_and_damaged_entries(filled_cache):
     (["cache", "prune", "--max-size", "big"], 1, "cannot read 'big' as a size"),
     (["doctor", "--frobnicate"], 2, "frobnicate"),
     (["models", "extra-arg"], 2, "extra-arg"),
+    (["serve", "--replicas", "2"], 1, "--replicas: for a deployment on Ray; add --ray"),
+    (["serve", "--model", "a", "--ray-address", "auto"], 1, "--ray-address, --model: for a deployment on Ray"),
+    (["serve", "--ray", "--ray-address", "qwen3-4b"], 1, "--ray-address is auto, HOST:PORT or ray://HOST:PORT"),
 ])
 def test_admin_errors_are_one_line(args, code, text, tmp_path, monkeypatch):
     monkeypatch.setenv("LINNET_CACHE", str(tmp_path / "c"))
     assert_one_line_error(invoke(*args), code, text)
+
+
+def test_serve_ray_without_ray_names_the_extra(monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setenv("LINNET_CACHE", str(tmp_path / "c"))
+    monkeypatch.setitem(sys.modules, "ray", None)  # as where Ray is not installed
+    monkeypatch.delitem(sys.modules, "linnet_core.serve.ray_app", raising=False)
+    r = invoke("serve", "--ray")
+    assert_one_line_error(r, 1, "linnet serve --ray needs ray, which is not installed")
+    assert "pip install 'linnet[ray]'" in r.stderr
 
 
 @pytest.mark.parametrize("command", [

@@ -7,8 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from linnet_core.artifact_store import STORE_ENV
 from linnet_core.errors import BackendUnavailable
-from linnet_core.serve.config import ServeConfig
+from linnet_core.serve.config import ServeConfig, served_name
 from linnet_core.serve.guard import ConnectionLimits, uvicorn_options
 
 from ..options import (
@@ -32,6 +33,21 @@ from ..options import (
     SpeculateOpt,
 )
 from ..output import Sink, handle_errors
+from .serve_ray import (
+    AffinityOpt,
+    ArtifactStoreOpt,
+    ExtraModelOpt,
+    MaxReplicasOpt,
+    MinReplicasOpt,
+    RayAddressOpt,
+    RayOpt,
+    RayRequest,
+    ReplicaCpusOpt,
+    ReplicaGpusOpt,
+    ReplicasOpt,
+    refuse_cluster_options,
+    serve_on_ray,
+)
 
 
 @handle_errors
@@ -70,13 +86,34 @@ def serve_command(
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="On SIGTERM, seconds to let requests "
                                                  "in flight finish.")] = 30.0,
     name: Annotated[Optional[str], typer.Option("--name", help="Model name the API reports and expects.")] = None,
+    ray: RayOpt = False,
+    ray_address: RayAddressOpt = None,
+    extra_models: ExtraModelOpt = None,
+    replicas: ReplicasOpt = 1,
+    min_replicas: MinReplicasOpt = None,
+    max_replicas: MaxReplicasOpt = None,
+    replica_cpus: ReplicaCpusOpt = 1.0,
+    replica_gpus: ReplicaGpusOpt = 0.0,
+    artifact_store: ArtifactStoreOpt = None,
+    affinity: AffinityOpt = True,
     quiet: QuietOpt = False,
 ) -> None:
     """Serve MODEL with continuous batching: POST /v1/completions and /v1/chat/completions (streamed
-    with "stream": true), GET /v1/models, /health and /metrics (Prometheus)."""
+    with "stream": true), GET /v1/models, /health and /metrics (Prometheus). With --ray, on a Ray
+    cluster: replicas of each model behind one API, each request sent to the replica that holds its
+    prompt's prefix."""
     config = ServeConfig(model, backend.value, dtype, rows, cache_len, prefill_chunk, max_waiting, decode_stall,
                          burst_wait, prefix_caching, speculate, draft, draft_tokens, adaptive_draft,
                          draft_backend.value if draft_backend else None, draft_dtype)
+    if ray:
+        request = RayRequest(ray_address, extra_models or [], replicas, min_replicas, max_replicas, replica_cpus,
+                             replica_gpus, artifact_store, affinity)
+        return serve_on_ray(request, model, config, name, host, port, api_key, max_tokens, drain_timeout,
+                            Sink(False, quiet))
+    refuse_cluster_options(ray_address, extra_models, replicas, min_replicas, max_replicas, replica_cpus, replica_gpus,
+                           affinity)
+    if artifact_store:  # the cache reads it from the environment, as every command's does
+        os.environ[STORE_ENV] = artifact_store
     try:
         import httptools  # noqa: F401 - the parser the connection guard runs on
         import uvicorn
@@ -91,11 +128,11 @@ def serve_command(
     sink = Sink(False, quiet)
     served = launch(config, progress=sink.info)
     session, compiled = served.session, served.compiled
-    served_name = name or compiled.model.resolved.name.rstrip("/").split("/")[-1]
+    served_as = name or served_name(model)
     limits = Limits(max_tokens=min(max_tokens or session.cache_len, session.cache_len),
                     max_prompt_chars=prompt_char_limit(session.cache_len))
-    app = create_app(Server(served.engine, served.tokenizer, served_name, limits), api_key, drain_timeout)
-    sink.info(f"serving '{served_name}' on http://{host}:{port}/v1 ({compiled.backend}, {compiled.dtype}, {rows} rows "
+    app = create_app(Server(served.engine, served.tokenizer, served_as, limits), api_key, drain_timeout)
+    sink.info(f"serving '{served_as}' on http://{host}:{port}/v1 ({compiled.backend}, {compiled.dtype}, {rows} rows "
               f"of {session.cache_len} positions){'; API key required' if api_key else ''}")
     total = max_connections or rows + max_waiting + 64
     guard = ConnectionLimits(per_peer=max_client_connections or max(1, total // 2))

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ..errors import InputError
+from ..hub import DEFAULT_MODEL_NAME
 
 DECODE_STALL = 2.0  # a step with prompt work takes at most this many decode-only steps' time (measured)
 # With no row decoding: milliseconds without a new arrival that end the wait for a burst of requests;
@@ -115,6 +116,11 @@ class ServeConfig:
             if value is not None:  # empty (or a cache length of 0): the default
                 values[name] = value
         return cls(**values, spelling="triton")
+
+
+def served_name(model: str | None) -> str:
+    """The name the API reports for `model` unless `--name` says otherwise: its last path part."""
+    return (model or DEFAULT_MODEL_NAME).rstrip("/").split("/")[-1]
 
 
 def _not_int(value: Any) -> bool:

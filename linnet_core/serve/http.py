@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import json
-import logging
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -23,21 +21,40 @@ from dataclasses import dataclass, replace
 from fastapi import (
     Request,  # at module level: the handlers' annotations are resolved from here
 )
-from starlette.requests import ClientDisconnect
 
 from ..errors import InputError, LinnetError
 from ..runtime.constraints import GrammarSpec
 from ..runtime.sampling import TokenLogprobs
 from ..tokenizer import Tokenizer
 from . import Mailbox
-from .engine import Delta, Engine, EngineFull, EngineUnavailable, GenerationRequest, Handle
-from .fields import SEED_RANGE, FieldError, choice_counts, flag, generation_request, grammar_compiler, parse_json
-from .guard import REFUSED
+from .engine import (
+    Delta,
+    Engine,
+    EngineFull,
+    EngineUnavailable,
+    GenerationRequest,
+    Handle,
+)
+from .fields import (
+    SEED_RANGE,
+    FieldError,
+    choice_counts,
+    flag,
+    generation_request,
+    grammar_compiler,
+    parse_json,
+)
+from .http_common import (
+    RETRY_AFTER_S,
+    ApiError,
+    ApiKeyCheck,
+    answer_errors,
+    read_json_body,
+)
 from .logprobs import TokenNames, chat_content, completion_logprobs, cumulative
 from .tools import CallStream, ToolFormat, ToolRequest, format_for, tool_request
 
 MAX_BATCH = 64  # prompts in one completions request
-RETRY_AFTER_S = 5  # what a shutting-down or broken server tells clients to wait before retrying elsewhere
 
 
 @dataclass(frozen=True)
@@ -46,35 +63,6 @@ class Limits:
     max_tokens: int = 4096
     default_max_tokens: int = 16  # completions' default, as OpenAI's; chat's is the rest of the context
     max_prompt_chars: int = 1 << 18  # text longer than this is refused before it is tokenized
-
-
-class ApiError(Exception):
-    """An OpenAI-shaped error: {"error": {"message", "type", "param", "code"}} with its HTTP status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-class ClientLeft(Exception):
-    """The client hung up before its request was read (or the connection guard ended it): one line in
-    the log where a client left (the message), none where the guard answered, and no answer."""
-
-
-def is_json(content_type: str | None) -> bool:
-    """A JSON media type (application/json or any +json), parameters aside. A browser sends anything
-    else cross-site without asking the server first (a "simple request"): refusing it keeps a local
-    server keyless yet out of reach of the pages its user visits."""
-    media = (content_type or "").split(";", 1)[0].strip().lower()
-    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
-
-
-def _peer(request: Request) -> str:
-    return request.client.host if request.client else "unknown"
 
 
 @dataclass(frozen=True)
@@ -117,31 +105,7 @@ class Server:
 
     # -- parsing ----------------------------------------------------------------------------
     async def read_body(self, request: Request) -> bytes:
-        """The body, refused with 415 unless it is declared JSON and with 413 once it passes the limit:
-        by its Content-Length before any of it is read, or counted while a chunked one arrives."""
-        if not is_json(request.headers.get("content-type")):
-            raise ApiError(415, "send the body as JSON, with 'Content-Type: application/json' (curl: -H "
-                                "'Content-Type: application/json'); other types are refused so that no web page "
-                                "can make this server compute")
-        limit = self.limits.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                raise ApiError(400, "the Content-Length header is not a number")
-            if int(declared) > limit:
-                raise ApiError(413, f"the body is {int(declared)} bytes; the limit is {limit}")
-        parts, size = [], 0
-        try:
-            async for part in request.stream():
-                size += len(part)
-                if size > limit:
-                    raise ApiError(413, f"the body is over {limit} bytes; the limit is {limit}")
-                parts.append(part)
-        except ClientDisconnect:
-            guarded = REFUSED in request.scope  # the connection guard ended it (a body too slow): said by its 408
-            raise ClientLeft(None if guarded else f"a client ({_peer(request)}) left after {size} bytes of its "
-                                                  "request body") from None
-        return b"".join(parts)
+        return await read_json_body(request, self.limits.max_body_bytes)
 
     def parse(self, raw: bytes) -> dict:
         if len(raw) > self.limits.max_body_bytes:
@@ -441,35 +405,11 @@ async def _until_disconnect(receive) -> None:
         pass
 
 
-class ApiKeyCheck:
-    """ASGI middleware: every route but /health needs 'Authorization: Bearer KEY', compared in
-    constant time. Plain ASGI (not BaseHTTPMiddleware), so disconnects reach the handlers as they are."""
-
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                e = ApiError(401, "a valid API key is required (Authorization: Bearer ...)", code="invalid_api_key",
-                             kind="authentication_error")
-                body = json.dumps(e.body()).encode()
-                await send({"type": "http.response.start", "status": 401,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode())]})
-                await send({"type": "http.response.body", "body": body})
-                return
-        await self.app(scope, receive, send)
-
-
 def create_app(server: Server, api_key: str | None = None, drain_timeout: float = 30.0):
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
     @asynccontextmanager
     async def lifespan(app):
@@ -480,30 +420,7 @@ def create_app(server: Server, api_key: str | None = None, drain_timeout: float 
 
     app = FastAPI(title="Linnet", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
-    @app.exception_handler(ApiError)
-    async def api_error(request, e: ApiError):
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
-
-    @app.exception_handler(ClientLeft)
-    async def client_left(request, e: ClientLeft):  # no traceback: a client may hang up at any time
-        if e.args[0]:
-            logging.getLogger("uvicorn.error").warning("%s", e.args[0])
-        return Response(status_code=400)  # sent to no one
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request, e):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(ApiError(e.status_code, str(e.detail), kind=kind).body(), status_code=e.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request, e):
-        return JSONResponse(ApiError(400, "the request is malformed").body(), status_code=400)
-
-    @app.exception_handler(Exception)
-    async def unexpected(request, e):  # a bug: still an OpenAI-shaped error, never a bare 500 page
-        return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}", kind="server_error").body(),
-                            status_code=500)
+    answer_errors(app)
 
     @app.get("/health")
     async def health():

@@ -1,0 +1,130 @@
+"""`linnet serve --ray` beside one `linnet serve`, same rows in total, on the serving bench's workloads.
+
+Starts, through the CLI as a user would: one `linnet serve` (all the machine's threads, ROWS rows);
+`linnet serve --ray` with 2 replicas of 1 CPU and ROWS/2 rows each, routed by prompt prefix; and the
+same with `--no-affinity` (Ray Serve's own router: the shorter of two queues). Then runs
+`linnet bench --serving --url` against each on the workloads of `serving_vs_llama_server.py` (random
+prompts at 8 in flight, a 1,000-token shared system prompt, 4-turn chats), in turns, and prints per
+workload throughput, TTFT p99 and ITL p99 of each, with the ingress's own added latency per request
+(median and p99, from its /metrics) and how many requests the prefix's owner took.
+
+    python bench/serving_ray.py /tmp/qwen3-191m --dtype bf16 --out bench/results/serving_ray
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from serving_vs_llama_server import WORKLOADS
+
+from linnet_core.serve import free_port
+
+SERVERS = ("single", "ray", "ray-no-affinity")
+LABELS = {"single": "linnet serve (2 threads)", "ray": "Ray, prefix-aware (2 x 1 CPU)",
+          "ray-no-affinity": "Ray, queue-length routing (2 x 1 CPU)"}
+
+
+def start(name: str, model: str, dtype: str, rows: int, port: int, log: Path) -> subprocess.Popen:
+    cmd = ["linnet", "serve", model, "--dtype", dtype, "--port", str(port), "--quiet"]
+    if name == "single":
+        cmd += ["--rows", str(rows)]
+    else:
+        cmd += ["--ray", "--replicas", "2", "--replica-cpus", "1", "--rows", str(rows // 2)]
+        cmd += ["--no-affinity"] if name == "ray-no-affinity" else []
+    print("$", " ".join(cmd), file=sys.stderr, flush=True)
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_ready(base: str, replicas: int | None, timeout: float = 600) -> None:
+    """Until /health answers (and, on Ray, every replica reports)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                if replicas is None or metric(httpx.get(f"{base}/metrics").text, "linnet_ray_replicas") >= replicas:
+                    return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"{base} did not come up in {timeout:.0f} s")
+
+
+def metric(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def bench(model: str, base: str, workload: str, path: Path) -> dict:
+    cmd = ["linnet", "bench", model, "--serving", "--target", "none", "--url", f"{base}/v1", *WORKLOADS[workload],
+           "--save", str(path), "--quiet"]
+    print("$", " ".join(cmd), file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True)
+    return json.loads(path.read_text())["targets"][0]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, 2)  # Ctrl-C: `linnet serve --ray` deletes its application and stops its cluster
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--rows", type=int, default=8, help="rows in total: the single server's, split over 2 replicas")
+    ap.add_argument("--workloads", default="c8,shared_prefix,chats")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/serving_ray"))
+    a = ap.parse_args()
+    workloads = a.workloads.split(",")
+    if bad := [w for w in workloads if w not in WORKLOADS]:
+        ap.error(f"unknown workload: {', '.join(bad)} (workloads: {', '.join(WORKLOADS)})")
+    a.out.mkdir(parents=True, exist_ok=True)
+    rows: dict[tuple[str, str], dict] = {}
+    overhead: dict[str, tuple[float, float, float, float]] = {}
+    for name in SERVERS:  # one at a time: each has the machine to itself
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        proc = start(name, a.model, a.dtype, a.rows, port, a.out / f"{name}.log")
+        try:
+            wait_ready(base, None if name == "single" else 2)
+            for workload in workloads:
+                rows[name, workload] = bench(a.model, base, workload, a.out / f"{name}_{workload}.json")
+            if name != "single":
+                text = httpx.get(f"{base}/metrics").text
+                overhead[name] = (metric(text, "linnet_ray_forward_overhead_seconds", quantile="0.5"),
+                                  metric(text, "linnet_ray_forward_overhead_seconds", quantile="0.99"),
+                                  metric(text, "linnet_ray_routed_total", placement="owner"),
+                                  metric(text, "linnet_ray_routed_total", placement="spilled"))
+                (a.out / f"{name}_metrics.txt").write_text(text)
+        finally:
+            stop(proc)
+    print(f"| workload | {' | '.join(LABELS[n] + ': tok/s, TTFT p99, ITL p99' for n in SERVERS)} |")
+    print("|---|" + "---:|" * len(SERVERS))
+    for workload in workloads:
+        one = rows["single", workload]["output_tok_s"]
+        cells = []
+        for name in SERVERS:
+            r = rows[name, workload]
+            cells.append(f"{r['output_tok_s']:.1f} ({r['output_tok_s'] / one:.2f}x), {r['ttft_ms_p99']:,.0f} ms, "
+                         f"{r['itl_ms_p99']:.1f} ms")
+        print(f"| {workload} | {' | '.join(cells)} |")
+    for name, (p50, p99, owner, spilled) in overhead.items():
+        print(f"{LABELS[name]}: ingress adds {p50 * 1000:.2f} ms median, {p99 * 1000:.2f} ms p99 a request; "
+              f"prefix owner took {owner:.0f}, spilled {spilled:.0f}")
+
+
+if __name__ == "__main__":
+    main()
