@@ -6,7 +6,8 @@ same with `--no-affinity` (Ray Serve's own router: the shorter of two queues). T
 `linnet bench --serving --url` against each on the workloads of `serving_vs_llama_server.py` (random
 prompts at 8 in flight, a 1,000-token shared system prompt, 4-turn chats), in turns, and prints per
 workload throughput, TTFT p99 and ITL p99 of each, with the ingress's own added latency per request
-(median and p99, from its /metrics) and how many requests the prefix's owner took.
+(median and p99, from its /metrics: one request at a time first, then over every request of the
+workloads) and how many requests the prefix's owner took.
 
     python bench/serving_ray.py /tmp/qwen3-191m --dtype bf16 --out bench/results/serving_ray
 """
@@ -25,6 +26,7 @@ import httpx
 from serving_vs_llama_server import WORKLOADS
 
 from linnet_core.serve import free_port
+from linnet_core.serve.metrics import sample_sum
 
 SERVERS = ("single", "ray", "ray-no-affinity")
 LABELS = {"single": "linnet serve (2 threads)", "ray": "Ray, prefix-aware (2 x 1 CPU)",
@@ -48,7 +50,7 @@ def wait_ready(base: str, replicas: int | None, timeout: float = 600) -> None:
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                if replicas is None or metric(httpx.get(f"{base}/metrics").text, "linnet_ray_replicas") >= replicas:
+                if replicas is None or sample_sum(httpx.get(f"{base}/metrics").text, "linnet_ray_replicas") >= replicas:
                     return
         except httpx.HTTPError:
             pass
@@ -56,12 +58,14 @@ def wait_ready(base: str, replicas: int | None, timeout: float = 600) -> None:
     raise SystemExit(f"{base} did not come up in {timeout:.0f} s")
 
 
-def metric(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def idle_overhead(base: str, requests: int = 50) -> tuple[float, float]:
+    """The ingress's added latency with nothing else running: one-token requests one at a time."""
+    with httpx.Client(timeout=60) as client:
+        for i in range(requests):
+            client.post(f"{base}/v1/completions", json={"prompt": f"{i} idle probe", "max_tokens": 1})
+        text = client.get(f"{base}/metrics").text
+    return (sample_sum(text, "linnet_ray_forward_overhead_seconds", quantile="0.5"),
+            sample_sum(text, "linnet_ray_forward_overhead_seconds", quantile="0.99"))
 
 
 def bench(model: str, base: str, workload: str, path: Path) -> dict:
@@ -94,20 +98,23 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     rows: dict[tuple[str, str], dict] = {}
     overhead: dict[str, tuple[float, float, float, float]] = {}
+    idle: dict[str, tuple[float, float]] = {}
     for name in SERVERS:  # one at a time: each has the machine to itself
         port = free_port()
         base = f"http://127.0.0.1:{port}"
         proc = start(name, a.model, a.dtype, a.rows, port, a.out / f"{name}.log")
         try:
             wait_ready(base, None if name == "single" else 2)
+            if name != "single":
+                idle[name] = idle_overhead(base)
             for workload in workloads:
                 rows[name, workload] = bench(a.model, base, workload, a.out / f"{name}_{workload}.json")
             if name != "single":
                 text = httpx.get(f"{base}/metrics").text
-                overhead[name] = (metric(text, "linnet_ray_forward_overhead_seconds", quantile="0.5"),
-                                  metric(text, "linnet_ray_forward_overhead_seconds", quantile="0.99"),
-                                  metric(text, "linnet_ray_routed_total", placement="owner"),
-                                  metric(text, "linnet_ray_routed_total", placement="spilled"))
+                overhead[name] = (sample_sum(text, "linnet_ray_forward_overhead_seconds", quantile="0.5"),
+                                  sample_sum(text, "linnet_ray_forward_overhead_seconds", quantile="0.99"),
+                                  sample_sum(text, "linnet_ray_routed_total", placement="owner"),
+                                  sample_sum(text, "linnet_ray_routed_total", placement="spilled"))
                 (a.out / f"{name}_metrics.txt").write_text(text)
         finally:
             stop(proc)
@@ -122,8 +129,9 @@ def main() -> None:
                          f"{r['itl_ms_p99']:.1f} ms")
         print(f"| {workload} | {' | '.join(cells)} |")
     for name, (p50, p99, owner, spilled) in overhead.items():
-        print(f"{LABELS[name]}: ingress adds {p50 * 1000:.2f} ms median, {p99 * 1000:.2f} ms p99 a request; "
-              f"prefix owner took {owner:.0f}, spilled {spilled:.0f}")
+        print(f"{LABELS[name]}: the ingress adds {idle[name][0] * 1000:.2f} ms median, {idle[name][1] * 1000:.2f} ms "
+              f"p99 a request one at a time, {p50 * 1000:.2f} / {p99 * 1000:.2f} ms over all requests; prefix owner "
+              f"took {owner:.0f}, spilled {spilled:.0f}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from linnet_core.compile import load_model  # noqa: E402
 from linnet_core.runtime.generate import Generation  # noqa: E402
 from linnet_core.serve import free_port  # noqa: E402
 from linnet_core.serve.config import ServeConfig  # noqa: E402
+from linnet_core.serve.metrics import sample_sum  # noqa: E402
 from linnet_core.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -55,8 +56,7 @@ def cluster(tmp_path_factory, session_cache):
     store = tmp_path_factory.mktemp("artifact-store")
     before = os.environ.get("LINNET_CACHE")
     os.environ["LINNET_CACHE"] = str(session_cache)  # the cluster's workers inherit it
-    ray.init(num_cpus=6, include_dashboard=False, object_store_memory=256 << 20, namespace=ray_app.NAMESPACE,
-             log_to_driver=False)
+    ray_app.connect(num_cpus=6, object_store_memory=256 << 20)
     port = free_port()
     models = [ray_app.ModelSpec("tiny", ServeConfig(str(tiny), dtype="float32", rows=4, cache_len=CACHE)),
               ray_app.ModelSpec("second", ServeConfig(str(second), dtype="float32", rows=4, cache_len=128))]
@@ -90,15 +90,6 @@ def _wait_for_replicas(app: str, wanted: dict[str, int], timeout: float = 240, w
             return entries
         assert time.monotonic() < deadline, f"replicas did not come up: {counts}, wanted {wanted}"
         time.sleep(0.5)
-
-
-def _metric(text: str, name: str, **labels) -> float:
-    """The sum of `name`'s samples whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def _alone_ids(path, prompt: str, n: int) -> list[int]:
@@ -171,14 +162,25 @@ def test_a_shared_prefix_lands_on_the_replica_that_caches_it(cluster):
     owner = seen[0]
     time.sleep(1.5)  # the replicas' counters reach the board within REPORT_S of a request's end
     after = httpx.get(f"{base}/metrics", headers=AUTH).text
-    hits = {rid: _metric(after, "linnet_prefix_cache_hits_total", replica=rid)
-            - _metric(before, "linnet_prefix_cache_hits_total", replica=rid)
+    hits = {rid: sample_sum(after, "linnet_prefix_cache_hits_total", replica=rid)
+            - sample_sum(before, "linnet_prefix_cache_hits_total", replica=rid)
             for rid, e in _board().items() if e["model"] == "tiny"}
     assert hits[owner] >= 5 and sum(hits.values()) == hits[owner], hits
-    placed = _metric(after, "linnet_ray_routed_total", model="tiny", placement="owner") - _metric(
+    placed = sample_sum(after, "linnet_ray_routed_total", model="tiny", placement="owner") - sample_sum(
         before, "linnet_ray_routed_total", model="tiny", placement="owner")
     assert placed >= 6
-    assert _metric(after, "linnet_ray_forward_overhead_seconds_count") >= 6
+    assert sample_sum(after, "linnet_ray_forward_overhead_seconds_count") >= 6
+    # a burst of eight with that prefix: the owner takes its rows' worth, the rest spill to the other
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(i):
+        return httpx.post(f"{base}/v1/chat/completions", headers=AUTH, timeout=60, json={
+            "model": "tiny", "max_tokens": 64, "ignore_eos": True,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"burst {i}"}]})
+
+    with ThreadPoolExecutor(8) as pool:
+        burst = [r.headers["x-linnet-replica"] for r in pool.map(ask, range(8))]
+    assert burst.count(owner) == 4 and len(set(burst)) == 2, burst  # the owner's 4 rows, then the next choice
     # distinct prompts spread: eight keys all on one of two replicas would be a 1-in-128 chance
     spread = {httpx.post(f"{base}/v1/completions", headers=AUTH, json={
         "model": "tiny", "prompt": f"{i} distinct opening words", "max_tokens": 1}).headers["x-linnet-replica"]
@@ -247,3 +249,11 @@ def test_deleting_the_application_lets_requests_in_flight_finish(cluster):
     events = [line for line in lines if line]
     assert events[-1] == "data: [DONE]" and reasons[-1] == "length", events[-3:]  # all 400 tokens: not cut off
     assert httpx.get(f"{base}/health").status_code == 404  # and then the application was gone
+
+
+def test_a_model_that_does_not_open_is_one_line_before_anything_deploys(tmp_path, monkeypatch):
+    from test_cli import assert_one_line_error, invoke
+
+    monkeypatch.setenv("LINNET_CACHE", str(tmp_path / "c"))
+    assert_one_line_error(invoke("serve", "/missing/folder", "--ray"), 1, "no model '/missing/folder'")
+    assert_one_line_error(invoke("serve", "--ray", "--model", "/missing/other"), 1, "no model '/missing/other'")

@@ -93,6 +93,10 @@ def serve_on_ray(request: RayRequest, model: str | None, config: ServeConfig, na
                                  hint="pip install 'linnet[ray]'") from None
     if name and request.extra_models:
         raise InputError("--name names the one model; with --model each is served by its own name")
+    from linnet_core.compile import open_model  # imports torch, as Ray's application does
+
+    for m in [model, *request.extra_models]:  # a bad model is one line here, not a replica failing on the cluster
+        open_model(m)
     models = [ray_app.ModelSpec(name or served_name(model), config, max_tokens)]
     models += [ray_app.ModelSpec(served_name(m), replace(config, model=m), max_tokens) for m in request.extra_models]
     scaling = ray_app.Scaling(request.replicas, request.min_replicas, request.max_replicas, request.replica_cpus,

@@ -78,3 +78,13 @@ class EngineMetrics:
             if ttft is not None:
                 self.ttft.observe(ttft)
             self.inter_token.merge(inter_token)
+
+
+def sample_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of `name` in Prometheus text whose labels include `labels` (a scrape's
+    reader: the Ray bench and tests read replicas' counters from the ingress's /metrics with it)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -18,7 +18,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from ..artifact_store import STORE_ENV
-from ..errors import InputError
+from ..errors import BackendUnavailable, InputError
 from .ray_board import NAMESPACE, board
 from .ray_ingress import Ingress, deployment_name
 from .ray_replica import ModelReplica, ModelSpec
@@ -85,15 +85,28 @@ def application(models: list[ModelSpec], scaling: Scaling, app_name: str = "linn
     return ingress.bind(bound, app_name, api_key, max_body_bytes)
 
 
+def connect(address: str | None = None, **init) -> None:
+    """Join the cluster at `address` (or RAY_ADDRESS's), or start one on this machine (`init`: its
+    resources, as `ray.init` takes them)."""
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False, **init)
+
+
 def deploy(models: list[ModelSpec], scaling: Scaling, host: str, port: int, app_name: str = "linnet",
            api_key: str | None = None, address: str | None = None) -> str:
     """Connect to (or start) a Ray cluster, deploy the application and wait until it answers; its URL."""
     app = application(models, scaling, app_name, api_key)
-    if not ray.is_initialized():
-        ray.init(address=address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    connect(address)
     board(app_name)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(app, name=app_name, route_prefix="/", blocking=False)
+    try:
+        serve.run(app, name=app_name, route_prefix="/", blocking=False)
+    except RuntimeError as e:  # a replica could not start (Ray Serve gave up after its retries)
+        undeploy(app_name)
+        reason = next((line.strip() for line in str(e).splitlines() if "Error" in line), str(e).splitlines()[0])
+        raise BackendUnavailable(f"the application did not start on Ray: {reason}",
+                                 hint="the replicas' logs are under the cluster's session folder "
+                                      "(/tmp/ray/session_latest/logs/serve)") from None
     return f"http://{host}:{port}/v1"
 
 

@@ -1,6 +1,5 @@
-"""Ray Serve's request router for Linnet's replicas: prefix affinity (`prefix_routing`) over the queue
-lengths Ray's router already keeps. It runs inside the ingress's deployment handles, one per model;
-Ray Serve loads it by its import path (`RequestRouterConfig`).
+"""Ray Serve's request router for Linnet's replicas: prefix affinity (`prefix_routing`) over the loads
+this router has placed. It runs inside the ingress's deployment handles, one per model.
 
 Why not `ray.serve.llm`'s PrefixCacheAffinityRouter: it comes with `ray[llm]` (vLLM and its stack),
 and its prefix tree lives in one actor every routing decision waits on; a rendezvous hash needs no
@@ -9,17 +8,15 @@ shared state at all.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import List, Optional
 
-from ray.serve.request_router import (
-    PendingRequest,
-    ReplicaID,
-    RequestRouter,
-    RunningReplica,
-)
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from .prefix_routing import rank
+
+FORGET_S = 3600.0  # a placement never completed (cancelled before it was sent) stops counting after this
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -29,28 +26,31 @@ class PrefixAffinityRouter(RequestRouter):
 
     def initialize_state(self, busy_at: int = 8):
         self.busy_at = busy_at
-        # requests this router has in flight per replica: Ray's own queue-length cache runs only in its
-        # strict max_ongoing_requests mode
-        self.in_flight: Counter = Counter()
+        # request id -> (the replica it was placed on, when), until it completes. Counted from the moment
+        # of choosing, not of sending: a burst's requests are all chosen before any is sent, and would
+        # otherwise all see the owner idle. (Ray's own queue-length cache runs in its strict mode only.)
+        self.placed: dict[str, tuple[ReplicaID, float]] = {}
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        loads = {i: max(self.in_flight[r.replica_id], self.replica_queue_len_cache.get(r.replica_id) or 0)
+        now = time.monotonic()
+        self.placed = {k: v for k, v in self.placed.items() if now - v[1] < FORGET_S}
+        counts = Counter(replica for replica, _ in self.placed.values())
+        loads = {i: max(counts[r.replica_id], self.replica_queue_len_cache.get(r.replica_id) or 0)
                  for i, r in by_id.items()}
-        ranks, owner = rank(_key(pending_request), loads, self.busy_at)
+        key = _key(pending_request)
+        ranks, owner = rank(key, loads, self.busy_at)
         if pending_request is not None:  # travels with the request: the ingress learns whether the owner took it
             pending_request.kwargs["owner"] = owner
+            if key is not None:  # Ray takes the rank's shorter queue: count it there
+                chosen = min(ranks[0], key=lambda i: loads[i] or 0)
+                self.placed[pending_request.metadata.internal_request_id] = (by_id[chosen].replica_id, now)
         return [[by_id[i] for i in group] for group in ranks]
-
-
-    def on_send_request(self, replica_id: ReplicaID) -> None:
-        super().on_send_request(replica_id)
-        self.in_flight[replica_id] += 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
-        self.in_flight[replica_id] = max(0, self.in_flight[replica_id] - 1)
+        self.placed.pop(internal_request_id, None)
 
 
 def _key(pending_request: Optional[PendingRequest]) -> str | None:
