@@ -25,6 +25,12 @@ from .ray_replica import ModelReplica, ModelSpec
 from .ray_router import PrefixAffinityRouter
 
 
+# Replicas and the ingress run their (async, non-blocking) code on Ray Serve's own loop and route on
+# the caller's loop: a thread hop less each way, as Ray's throughput-optimized mode sets them. The
+# ingress's added latency at idle went from 6.0-6.5 to 5.0-5.2 ms median (bench/serving_ray.py).
+FAST_PATH = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
 @dataclass(frozen=True)
 class Scaling:
     """How many replicas each model gets and what each one holds."""
@@ -52,7 +58,7 @@ class Scaling:
         return max(1, int(self.replica_cpus))
 
     def deployment_options(self, rows: int) -> dict:
-        env = {"OMP_NUM_THREADS": str(self.threads)}
+        env = {"OMP_NUM_THREADS": str(self.threads), **FAST_PATH}
         if self.artifact_store:
             env[STORE_ENV] = self.artifact_store
         if self.min_replicas is None:
@@ -81,7 +87,7 @@ def application(models: list[ModelSpec], scaling: Scaling, app_name: str = "linn
                                       **scaling.deployment_options(spec.config.rows))
         bound[spec.name] = deployment.bind(spec, scaling.threads, app_name, scaling.drain_timeout)
     ingress = serve.deployment(serve.ingress()(Ingress), name="ingress", max_ongoing_requests=100_000,
-                               ray_actor_options={"num_cpus": 0})
+                               ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": FAST_PATH}})
     return ingress.bind(bound, app_name, api_key, max_body_bytes)
 
 
