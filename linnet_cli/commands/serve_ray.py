@@ -8,6 +8,7 @@ option) as the address."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
@@ -101,10 +102,10 @@ def serve_on_ray(request: RayRequest, model: str | None, config: ServeConfig, na
     models += [ray_app.ModelSpec(served_name(m), replace(config, model=m), max_tokens) for m in request.extra_models]
     scaling = ray_app.Scaling(request.replicas, request.min_replicas, request.max_replicas, request.replica_cpus,
                               request.replica_gpus, request.artifact_store, drain_timeout, request.affinity)
-    address = request.address
-    sink.info(f"deploying {', '.join(repr(m.name) for m in models)} on Ray "
-              f"({address or 'a local cluster'}); replicas compile or load their models first")
-    url = ray_app.deploy(models, scaling, host, port, api_key=api_key, address=address)
+    where = request.address or os.environ.get("RAY_ADDRESS") or "a cluster started on this machine"
+    sink.info(f"deploying {', '.join(repr(m.name) for m in models)} on Ray ({where}); replicas compile or load "
+              "their models first")
+    url = ray_app.deploy(models, scaling, host, port, api_key=api_key, address=request.address)
     each = (f"{request.min_replicas}-{request.max_replicas} replicas" if request.min_replicas is not None
             else f"{request.replicas} replica{'s' * (request.replicas > 1)}")
     routing = "by prompt prefix" if request.affinity else "by queue length"
