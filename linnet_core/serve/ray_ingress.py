@@ -1,7 +1,8 @@
 """The Ray ingress: `linnet serve`'s routes, each request forwarded whole to a replica of
 the model it names, the answer passed back as the replica streams it. A replica that dies before
-answering is a 503 with Retry-After; one that dies mid-stream ends the stream with an error event
-(OpenAI's shape, which its SDK raises as an error) and `[DONE]`, so no client waits on a dead replica."""
+answering hands the request to another (twice at most, then a 503 with Retry-After); one that dies
+mid-stream ends the stream with an error event (OpenAI's shape, which its SDK raises as an error)
+and `[DONE]`, so no client waits on a dead replica."""
 
 from __future__ import annotations
 
@@ -134,7 +135,7 @@ def ingress_app(ing: Ingress):
         except asyncio.CancelledError:
             stream.cancel()
             raise
-        except Exception as e:  # noqa: BLE001 - as above
+        except Exception as e:  # noqa: BLE001 - whatever ended the replica, the client gets one clear answer
             raise ApiError(503, f"the replica serving '{name}' failed while answering ({type(e).__name__}); "
                                 "retry", code="replica_failed", kind="server_error") from None
         return Response(b"".join(parts), status_code=start["status"], headers=out)
