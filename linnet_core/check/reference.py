@@ -5,12 +5,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..dtypes import FORMATS
 from ..errors import BackendUnavailable
 from ..models import build_graph
+
+if TYPE_CHECKING:  # the annotations' only use of torch: imported where the reference loads
+    import torch
 
 
 @dataclass
