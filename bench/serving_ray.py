@@ -5,9 +5,10 @@ Starts, through the CLI as a user would: one `linnet serve` (all the machine's t
 same with `--no-affinity` (Ray Serve's own router: the shorter of two queues). Then runs
 `linnet bench --serving --url` against each on the workloads of `serving_vs_llama_server.py` (random
 prompts at 8 in flight, a 1,000-token shared system prompt, 4-turn chats), in turns, and prints per
-workload throughput, TTFT p99 and ITL p99 of each, with the ingress's own added latency per request
-(median and p99, from its /metrics: one request at a time first, then over every request of the
-workloads) and how many requests the prefix's owner took.
+workload throughput, TTFT p99 and ITL p99 of each; what the front adds to a request (median and p99:
+its hop to a replica from its /metrics, one request at a time first, then over every request of the
+workloads; and /tokenize, which runs no engine step, end to end against one `linnet serve`'s); and
+how many requests the prefix's owner took.
 
     python bench/serving_ray.py /tmp/qwen3-191m --dtype bf16 --out bench/results/serving_ray
 """
@@ -58,14 +59,27 @@ def wait_ready(base: str, replicas: int | None, timeout: float = 600) -> None:
     raise SystemExit(f"{base} did not come up in {timeout:.0f} s")
 
 
-def idle_overhead(base: str, requests: int = 50) -> tuple[float, float]:
-    """The ingress's added latency with nothing else running: one-token requests one at a time."""
+def idle_latency(base: str, ray: bool, requests: int = 300) -> dict[str, float]:
+    """One request at a time on an idle server: /tokenize end to end (no engine step: on Ray, what
+    is left is the front and its hop), then one-token completions; on Ray, the front's own measure
+    of its hop over both (its /metrics)."""
+    out = {}
     with httpx.Client(timeout=60) as client:
-        for i in range(requests):
-            client.post(f"{base}/v1/completions", json={"prompt": f"{i} idle probe", "max_tokens": 1})
-        text = client.get(f"{base}/metrics").text
-    return (sample_sum(text, "linnet_ray_forward_overhead_seconds", quantile="0.5"),
-            sample_sum(text, "linnet_ray_forward_overhead_seconds", quantile="0.99"))
+        for name, ask in (("tokenize", lambda i: client.post(f"{base}/tokenize", json={"prompt": f"{i} idle probe"})),
+                          ("completion", lambda i: client.post(f"{base}/v1/completions",
+                                                               json={"prompt": f"{i} idle probe", "max_tokens": 1}))):
+            seconds = []
+            for i in range(requests):
+                began = time.perf_counter()
+                ask(i).raise_for_status()
+                seconds.append(time.perf_counter() - began)
+            seconds.sort()
+            out[f"{name}_p50"], out[f"{name}_p99"] = seconds[len(seconds) // 2], seconds[int(0.99 * len(seconds))]
+        if ray:
+            text = client.get(f"{base}/metrics").text
+            out["hop_p50"] = sample_sum(text, "linnet_ray_forward_overhead_seconds", quantile="0.5")
+            out["hop_p99"] = sample_sum(text, "linnet_ray_forward_overhead_seconds", quantile="0.99")
+    return out
 
 
 def bench(model: str, base: str, workload: str, path: Path) -> dict:
@@ -98,15 +112,14 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     rows: dict[tuple[str, str], dict] = {}
     overhead: dict[str, tuple[float, float, float, float]] = {}
-    idle: dict[str, tuple[float, float]] = {}
+    idle: dict[str, dict[str, float]] = {}
     for name in SERVERS:  # one at a time: each has the machine to itself
         port = free_port()
         base = f"http://127.0.0.1:{port}"
         proc = start(name, a.model, a.dtype, a.rows, port, a.out / f"{name}.log")
         try:
             wait_ready(base, None if name == "single" else 2)
-            if name != "single":
-                idle[name] = idle_overhead(base)
+            idle[name] = idle_latency(base, ray=name != "single")
             for workload in workloads:
                 rows[name, workload] = bench(a.model, base, workload, a.out / f"{name}_{workload}.json")
             if name != "single":
@@ -128,10 +141,17 @@ def main() -> None:
             cells.append(f"{r['output_tok_s']:.1f} ({r['output_tok_s'] / one:.2f}x), {r['ttft_ms_p99']:,.0f} ms, "
                          f"{r['itl_ms_p99']:.1f} ms")
         print(f"| {workload} | {' | '.join(cells)} |")
+    (a.out / "idle_latency.json").write_text(json.dumps(idle, indent=1))
+    one = idle["single"]
     for name, (p50, p99, owner, spilled) in overhead.items():
-        print(f"{LABELS[name]}: the ingress adds {idle[name][0] * 1000:.2f} ms median, {idle[name][1] * 1000:.2f} ms "
-              f"p99 a request one at a time, {p50 * 1000:.2f} / {p99 * 1000:.2f} ms over all requests; prefix owner "
-              f"took {owner:.0f}, spilled {spilled:.0f}")
+        i = idle[name]
+        print(f"{LABELS[name]}: the front's hop {i['hop_p50'] * 1000:.2f} ms median, {i['hop_p99'] * 1000:.2f} ms p99 "
+              f"one request at a time, {p50 * 1000:.2f} / {p99 * 1000:.2f} ms over all requests; /tokenize end to end "
+              f"{i['tokenize_p50'] * 1000:.2f} / {i['tokenize_p99'] * 1000:.2f} ms against one linnet serve's "
+              f"{one['tokenize_p50'] * 1000:.2f} / {one['tokenize_p99'] * 1000:.2f} ms; a one-token completion "
+              f"{i['completion_p50'] * 1000:.1f} / {i['completion_p99'] * 1000:.1f} ms against "
+              f"{one['completion_p50'] * 1000:.1f} / {one['completion_p99'] * 1000:.1f} ms; prefix owner took "
+              f"{owner:.0f}, spilled {spilled:.0f}")
 
 
 if __name__ == "__main__":

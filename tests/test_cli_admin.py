@@ -132,9 +132,13 @@ def test_admin_errors_are_one_line(args, code, text, tmp_path, monkeypatch):
 def test_serve_ray_without_ray_names_the_extra(monkeypatch, tmp_path):
     import sys
 
+    import linnet_core.serve
+
     monkeypatch.setenv("LINNET_CACHE", str(tmp_path / "c"))
     monkeypatch.setitem(sys.modules, "ray", None)  # as where Ray is not installed
-    monkeypatch.delitem(sys.modules, "linnet_core.serve.ray_app", raising=False)
+    for name in [m for m in sys.modules if m.startswith("linnet_core.serve.ray_")]:  # imported by an earlier test
+        monkeypatch.delitem(sys.modules, name)
+        monkeypatch.delattr(linnet_core.serve, name.rsplit(".", 1)[1], raising=False)
     r = invoke("serve", "--ray")
     assert_one_line_error(r, 1, "linnet serve --ray needs ray, which is not installed")
     assert "pip install 'linnet[ray]'" in r.stderr

@@ -1,5 +1,5 @@
 """`linnet serve --ray` on a local Ray cluster started here (2 replicas of each of two tiny models, 1
-CPU each, a 256 MiB object store): the OpenAI client through the ingress, the API key, prefix
+CPU each, a 256 MiB object store): the OpenAI client through the front, the API key, prefix
 affinity (the replicas' own prefix-cache counters say where requests went), a replica killed
 mid-stream, two models routed by name, compiled artifacts shared through the store, and draining
 when the application goes."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 
@@ -57,16 +58,18 @@ def cluster(tmp_path_factory, session_cache):
     before = os.environ.get("LINNET_CACHE")
     os.environ["LINNET_CACHE"] = str(session_cache)  # the cluster's workers inherit it
     ray_app.connect(num_cpus=6, object_store_memory=256 << 20)
-    port = free_port()
     models = [ray_app.ModelSpec("tiny", ServeConfig(str(tiny), dtype="float32", rows=4, cache_len=CACHE)),
               ray_app.ModelSpec("second", ServeConfig(str(second), dtype="float32", rows=4, cache_len=128))]
+    deployed = None
     try:
-        url = ray_app.deploy(models, ray_app.Scaling(replicas=2, artifact_store=str(store), drain_timeout=60),
-                             "127.0.0.1", port, app_name=APP, api_key=KEY)
+        deployed = ray_app.deploy(models, ray_app.Scaling(replicas=2, artifact_store=str(store), drain_timeout=60),
+                                  "127.0.0.1", free_port(), app_name=APP, api_key=KEY)
         _wait_for_replicas(APP, {"tiny": 2, "second": 2})
-        yield {"url": url, "base": f"http://127.0.0.1:{port}", "tiny": tiny, "second": second, "store": store}
+        yield {"url": deployed.url, "base": f"http://127.0.0.1:{deployed.front.port}", "deployed": deployed,
+               "models": models, "tiny": tiny, "second": second, "store": store}
     finally:
-        ray_app.undeploy(APP)  # the last test deletes it already; again is harmless
+        if deployed is not None:
+            deployed.close()  # the last test closes it already; again is harmless
         serve.shutdown()
         ray.shutdown()
         if before is None:
@@ -101,7 +104,7 @@ def _alone(path, prompt: str, n: int) -> str:
     return Tokenizer(path).decode(_alone_ids(path, prompt, n))
 
 
-def test_the_openai_client_through_the_ingress(cluster):
+def test_the_openai_client_through_the_front(cluster):
     client = openai.OpenAI(base_url=cluster["url"], api_key=KEY, max_retries=0)
     assert [m.id for m in client.models.list().data] == ["tiny", "second"]
     r = client.completions.create(model="tiny", prompt="The list object", max_tokens=12, temperature=0,
@@ -188,6 +191,34 @@ def test_a_shared_prefix_lands_on_the_replica_that_caches_it(cluster):
     assert len(spread) == 2
 
 
+def test_a_second_front_joins_the_running_application(cluster):
+    """Fronts agree on a prompt's replica without talking to each other (the hash needs no shared
+    state); one that joins leaves the application running when it goes."""
+    from linnet_core.errors import InputError
+    from linnet_core.serve import ray_app
+
+    joined = ray_app.deploy(cluster["models"], ray_app.Scaling(replicas=2), "127.0.0.1", 0, app_name=APP,
+                            api_key=KEY, join=True)
+    try:
+        body = {"model": "tiny", "prompt": SYSTEM + "from either front", "max_tokens": 3, "temperature": 0}
+        first = httpx.post(f"{cluster['base']}/v1/completions", headers=AUTH, json=body)
+        second = httpx.post(f"http://127.0.0.1:{joined.front.port}/v1/completions", headers=AUTH, json=body)
+        assert first.status_code == second.status_code == 200
+        assert first.headers["x-linnet-replica"] == second.headers["x-linnet-replica"]
+        assert first.json()["choices"][0]["text"] == second.json()["choices"][0]["text"]
+        with pytest.raises(InputError, match="already runs on this cluster"):  # a second deployer would clobber it
+            ray_app.deploy(cluster["models"], ray_app.Scaling(replicas=2), "127.0.0.1", 0, app_name=APP)
+        with pytest.raises(InputError, match="nothing to join"):
+            ray_app.deploy(cluster["models"], ray_app.Scaling(), "127.0.0.1", 0, app_name="elsewhere", join=True)
+    finally:
+        joined.close()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{joined.front.port}/health")
+    r = httpx.post(f"{cluster['base']}/v1/completions", headers=AUTH, json={"model": "tiny", "prompt": "still here",
+                                                                          "max_tokens": 1})
+    assert r.status_code == 200  # the application the first front deployed runs on
+
+
 def test_a_replica_killed_mid_stream_ends_its_stream_with_an_error(cluster):
     base = cluster["base"]
     actors = {k: v["actor"] for k, v in _board().items() if v["model"] == "tiny"}
@@ -210,7 +241,7 @@ def test_a_replica_killed_mid_stream_ends_its_stream_with_an_error(cluster):
     error = json.loads(events[-2])["error"]
     assert error["code"] == "replica_failed" and "mid-stream" in error["message"]
     assert len(events) < CACHE - 16  # it ended early, by the error
-    # the ingress answers at once (the other replica), and Ray starts a replica in the dead one's place
+    # the front answers at once (the other replica), and Ray starts a replica in the dead one's place
     r = httpx.post(f"{base}/v1/completions", headers=AUTH, json={"model": "tiny", "prompt": "again", "max_tokens": 2},
                    timeout=60)
     assert r.status_code == 200 and r.headers["x-linnet-replica"] != killed
@@ -228,8 +259,6 @@ def test_replicas_share_compiled_artifacts_through_the_store(cluster):
 
 def test_deleting_the_application_lets_requests_in_flight_finish(cluster):
     """Scale-down and shutdown drain: the app's replicas finish what they hold before they go."""
-    from linnet_core.serve import ray_app
-
     base, reasons, lines = cluster["base"], [], []
 
     def stream():
@@ -244,11 +273,20 @@ def test_deleting_the_application_lets_requests_in_flight_finish(cluster):
     reader.start()
     while len(lines) < 4:
         time.sleep(0.01)
-    ray_app.undeploy(APP)  # blocks until the application is gone: after the stream ended
+    closing = threading.Thread(target=cluster["deployed"].close)  # returns once the replicas are gone
+    closing.start()
+    deadline = time.monotonic() + 30
+    while (r := httpx.get(f"{base}/health")).status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert r.status_code == 503 and r.headers["retry-after"]  # new requests are turned away at once...
+    r = httpx.post(f"{base}/v1/completions", headers=AUTH, json={"model": "tiny", "prompt": "late"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
     reader.join(timeout=120)
+    closing.join(timeout=120)
     events = [line for line in lines if line]
-    assert events[-1] == "data: [DONE]" and reasons[-1] == "length", events[-3:]  # all 400 tokens: not cut off
-    assert httpx.get(f"{base}/health").status_code == 404  # and then the application was gone
+    assert events[-1] == "data: [DONE]" and reasons[-1] == "length", events[-3:]  # ...those in flight finish
+    with pytest.raises(httpx.ConnectError):  # and then the front was gone
+        httpx.get(f"{base}/health")
 
 
 def test_a_model_that_does_not_open_is_one_line_before_anything_deploys(tmp_path, monkeypatch):
@@ -257,3 +295,13 @@ def test_a_model_that_does_not_open_is_one_line_before_anything_deploys(tmp_path
     monkeypatch.setenv("LINNET_CACHE", str(tmp_path / "c"))
     assert_one_line_error(invoke("serve", "/missing/folder", "--ray"), 1, "no model '/missing/folder'")
     assert_one_line_error(invoke("serve", "--ray", "--model", "/missing/other"), 1, "no model '/missing/other'")
+
+
+def test_a_taken_port_is_one_line_before_anything_deploys(tmp_path, monkeypatch):
+    from test_cli import assert_one_line_error, invoke
+
+    monkeypatch.setenv("LINNET_CACHE", str(tmp_path / "c"))
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        r = invoke("serve", "--ray", "--port", str(port))
+    assert_one_line_error(r, 1, f"cannot listen on 127.0.0.1:{port}")  # taken before Ray is asked for anything

@@ -37,6 +37,7 @@ from .serve_ray import (
     AffinityOpt,
     ArtifactStoreOpt,
     ExtraModelOpt,
+    JoinOpt,
     MaxReplicasOpt,
     MinReplicasOpt,
     RayAddressOpt,
@@ -96,6 +97,7 @@ def serve_command(
     replica_gpus: ReplicaGpusOpt = 0.0,
     artifact_store: ArtifactStoreOpt = None,
     affinity: AffinityOpt = True,
+    join: JoinOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Serve MODEL with continuous batching: POST /v1/completions and /v1/chat/completions (streamed
@@ -107,11 +109,11 @@ def serve_command(
                          draft_backend.value if draft_backend else None, draft_dtype)
     if ray:
         request = RayRequest(ray_address, extra_models or [], replicas, min_replicas, max_replicas, replica_cpus,
-                             replica_gpus, artifact_store, affinity)
+                             replica_gpus, artifact_store, affinity, join)
         return serve_on_ray(request, model, config, name, host, port, api_key, max_tokens, drain_timeout,
-                            Sink(False, quiet))
+                            max_connections, max_client_connections, Sink(False, quiet))
     refuse_cluster_options(ray_address, extra_models, replicas, min_replicas, max_replicas, replica_cpus, replica_gpus,
-                           affinity)
+                           affinity, join)
     if artifact_store:  # the cache reads it from the environment, as every command's does
         os.environ[STORE_ENV] = artifact_store
     try:

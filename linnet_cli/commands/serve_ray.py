@@ -8,10 +8,12 @@ option) as the address."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
 import threading
+import warnings
 from dataclasses import dataclass, replace
 from typing import Annotated, Optional
 
@@ -45,6 +47,10 @@ ExtraModelOpt = Annotated[Optional[list[str]], typer.Option(
 AffinityOpt = Annotated[bool, typer.Option(
     "--affinity/--no-affinity", help="With --ray: send requests whose prompts begin alike to the replica that "
                                      "has that beginning cached (else Ray Serve's router: the shorter of two queues).")]
+JoinOpt = Annotated[bool, typer.Option(
+    "--join", help="With --ray: deploy nothing; serve one more front for the models a `linnet serve --ray` runs on "
+                   "the cluster (the same MODEL and --model), e.g. one per node behind a load balancer. On exit it "
+                   "stops only its front.")]
 ArtifactStoreOpt = Annotated[Optional[str], typer.Option(
     "--artifact-store", envvar="LINNET_ARTIFACT_STORE", show_envvar=True,
     help="Where replicas find compiled artifacts before compiling (a folder every node sees, or an fsspec "
@@ -64,6 +70,7 @@ class RayRequest:
     replica_gpus: float = 0.0
     artifact_store: str | None = None
     affinity: bool = True
+    join: bool = False
 
     def check(self) -> None:
         if self.address is not None and not _ADDRESS.match(self.address):
@@ -71,24 +78,27 @@ class RayRequest:
 
 
 def refuse_cluster_options(address, extra_models, replicas, min_replicas, max_replicas, replica_cpus, replica_gpus,
-                           affinity) -> None:
+                           affinity, join) -> None:
     """The cluster's options without --ray: one line, not a silent single process."""
     options = (("--ray-address", address, None), ("--model", extra_models, None), ("--replicas", replicas, 1),
                ("--min-replicas", min_replicas, None), ("--max-replicas", max_replicas, None),
                ("--replica-cpus", replica_cpus, 1.0), ("--replica-gpus", replica_gpus, 0.0),
-               ("--no-affinity", affinity, True))
+               ("--no-affinity", affinity, True), ("--join", join, False))
     given = [name for name, value, default in options if value != default]
     if given:
         raise InputError(f"{', '.join(given)}: for a deployment on Ray; add --ray")
 
 
 def serve_on_ray(request: RayRequest, model: str | None, config: ServeConfig, name: str | None, host: str,
-                 port: int, api_key: str | None, max_tokens: int | None, drain_timeout: float, sink: Sink) -> None:
+                 port: int, api_key: str | None, max_tokens: int | None, drain_timeout: float,
+                 max_connections: int | None, max_client_connections: int | None, sink: Sink) -> None:
     """Deploy, say where, and serve until Ctrl-C or SIGTERM; then delete the application (its replicas
     finish what they hold first)."""
     request.check()
     try:
-        from linnet_core.serve import ray_app  # imports Ray, and only with --ray
+        with warnings.catch_warnings():  # Ray's own modules trip pydantic's deprecations: not the user's to act on
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from linnet_core.serve import ray_app  # imports Ray, and only with --ray
     except ImportError as e:
         raise BackendUnavailable(f"linnet serve --ray needs {e.name}, which is not installed",
                                  hint="pip install 'linnet[ray]'") from None
@@ -103,17 +113,31 @@ def serve_on_ray(request: RayRequest, model: str | None, config: ServeConfig, na
     scaling = ray_app.Scaling(request.replicas, request.min_replicas, request.max_replicas, request.replica_cpus,
                               request.replica_gpus, request.artifact_store, drain_timeout, request.affinity)
     where = request.address or os.environ.get("RAY_ADDRESS") or "a cluster started on this machine"
-    sink.info(f"deploying {', '.join(repr(m.name) for m in models)} on Ray ({where}); replicas compile or load "
-              "their models first")
-    url = ray_app.deploy(models, scaling, host, port, api_key=api_key, address=request.address)
+    if request.join:
+        sink.info(f"joining {', '.join(repr(m.name) for m in models)} on Ray ({where})")
+    else:
+        sink.info(f"deploying {', '.join(repr(m.name) for m in models)} on Ray ({where}); replicas compile or load "
+                  "their models first")
+    # as `linnet serve` counts them, for every replica the front may reach
+    engines = len(models) * (request.max_replicas or request.replicas)
+    total = max_connections or engines * (config.rows + config.max_waiting) + 64
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # this command says what it did, in its own words
+    deployed = ray_app.deploy(models, scaling, host, port, api_key=api_key, address=request.address,
+                              max_connections=total, per_peer=max_client_connections,
+                              ray_init={"logging_level": logging.WARNING}, join=request.join)
     each = (f"{request.min_replicas}-{request.max_replicas} replicas" if request.min_replicas is not None
             else f"{request.replicas} replica{'s' * (request.replicas > 1)}")
     routing = "by prompt prefix" if request.affinity else "by queue length"
-    sink.info(f"serving on {url} through Ray Serve ({each} of each model, each holding {request.replica_cpus:g} "
-              f"CPU and {request.replica_gpus:g} GPU; routed {routing}){'; API key required' if api_key else ''}")
+    if request.join:
+        sink.info(f"serving on {deployed.url}, one more front for the replicas on Ray Serve (routed {routing})"
+                  f"{'; API key required' if api_key else ''}")
+    else:
+        sink.info(f"serving on {deployed.url}, replicas on Ray Serve ({each} of each model, each holding "
+                  f"{request.replica_cpus:g} CPU and {request.replica_gpus:g} GPU; routed {routing})"
+                  f"{'; API key required' if api_key else ''}")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     sink.info("stopping: requests in flight finish first")
-    ray_app.undeploy()
+    deployed.close()

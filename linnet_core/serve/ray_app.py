@@ -1,16 +1,18 @@
-"""`linnet serve --ray`: Linnet's engine as a Ray Serve application (`pip install 'linnet[ray]'`).
+"""`linnet serve --ray`: Linnet's engine as Ray Serve applications (`pip install 'linnet[ray]'`).
 
-One deployment per model, each replica one engine running `linnet serve`'s own app in-process
-(`asgi_call`), behind one ingress deployment that checks the API key, picks the model by the
-request's `model`, keys the request by its prompt's head and forwards it through the model's
-deployment handle, whose router (`ray_router`) sends it to the replica holding that prefix. Ray Serve
-does the rest: replicas placed by their CPUs and GPUs, restarted when they die, autoscaled on
-requests in flight, drained on scale-down. Replicas report their metrics to a small board actor the
-ingress's /metrics reads, each sample labelled with its model and replica.
+One Ray Serve application per model, each replica one engine running `linnet serve`'s own app
+in-process (`asgi_call`), and one HTTP front (`ray_front`) in the process that deployed them: it
+checks the API key, picks the model by the request's `model`, keys the request by its prompt's head
+and forwards it through the model's deployment handle, whose router (`ray_router`) sends it to the
+replica holding that prefix. Ray Serve does the rest: replicas placed by their CPUs and GPUs,
+restarted when they die, autoscaled on requests in flight, drained on scale-down. Replicas report
+their metrics to a small board actor the front's /metrics reads, each sample labelled with its model
+and replica.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import ray
@@ -20,15 +22,15 @@ from ray.serve.config import RequestRouterConfig
 from ..artifact_store import STORE_ENV
 from ..errors import BackendUnavailable, InputError
 from .ray_board import NAMESPACE, board
-from .ray_ingress import Ingress, deployment_name
+from .ray_front import Front
+from .ray_ingress import deployment_name
 from .ray_replica import ModelReplica, ModelSpec
 from .ray_router import PrefixAffinityRouter
 
-
-# Replicas and the ingress run their (async, non-blocking) code on Ray Serve's own loop and route on
-# the caller's loop: a thread hop less each way, as Ray's throughput-optimized mode sets them. The
-# ingress's added latency at idle went from 6.0-6.5 to 5.0-5.2 ms median (bench/serving_ray.py).
-FAST_PATH = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+# Replicas run their (async, non-blocking) code on Ray Serve's own loop: a thread hop less each way,
+# as Ray's throughput-optimized mode sets it (bench/serving_ray.py).
+FAST_PATH = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+GONE_TIMEOUT_S = 600.0  # deleting the applications: their replicas drain first (each its drain timeout)
 
 
 @dataclass(frozen=True)
@@ -71,24 +73,28 @@ class Scaling:
         routing = RequestRouterConfig(**prefix) if self.affinity else RequestRouterConfig()
         return {"ray_actor_options": {"num_cpus": self.replica_cpus, "num_gpus": self.replica_gpus,
                                       "runtime_env": {"env_vars": env}},
+                "logging_config": {"enable_access_log": False},  # as `linnet serve`: no file write per request
                 "max_ongoing_requests": rows * 4,  # past this Ray's handle queues, where the autoscaler sees it
                 "graceful_shutdown_timeout_s": self.drain_timeout, "request_router_config": routing, **count}
 
 
-def application(models: list[ModelSpec], scaling: Scaling, app_name: str = "linnet", api_key: str | None = None,
-                max_body_bytes: int = 1 << 20):
-    """The bound Ray Serve application: one deployment per model, one ingress."""
+def applications(models: list[ModelSpec], scaling: Scaling, app_name: str = "linnet") -> list[serve.RunTarget]:
+    """One Ray Serve application per model (no HTTP route: the front calls them), named
+    `application_name(app_name, model)`."""
     names = [m.name for m in models]
     if len(set(names)) != len(names):
         raise InputError(f"two models would be served as one name ({', '.join(names)}); give each its own")
-    bound = {}
+    targets = []
     for spec in models:
         deployment = serve.deployment(ModelReplica, name=deployment_name(spec.name),
                                       **scaling.deployment_options(spec.config.rows))
-        bound[spec.name] = deployment.bind(spec, scaling.threads, app_name, scaling.drain_timeout)
-    ingress = serve.deployment(serve.ingress()(Ingress), name="ingress", max_ongoing_requests=100_000,
-                               ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": FAST_PATH}})
-    return ingress.bind(bound, app_name, api_key, max_body_bytes)
+        bound = deployment.bind(spec, scaling.threads, app_name, scaling.drain_timeout)
+        targets.append(serve.RunTarget(bound, name=application_name(app_name, spec.name), route_prefix=None))
+    return targets
+
+
+def application_name(app_name: str, model: str) -> str:
+    return f"{app_name}.{deployment_name(model)}"
 
 
 def connect(address: str | None = None, **init) -> None:
@@ -98,27 +104,85 @@ def connect(address: str | None = None, **init) -> None:
         ray.init(address=address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False, **init)
 
 
+@dataclass
+class Deployed:
+    """A Linnet application on Ray as this process serves it: its models' Ray Serve applications and
+    the front serving them. `owned`: this process deployed them, and deletes them when it closes."""
+
+    app_name: str
+    applications: list[str]
+    front: Front
+    owned: bool = True
+
+    @property
+    def url(self) -> str:
+        return self.front.url
+
+    def close(self) -> None:
+        """New requests get a 503; those in flight finish (on their replicas, each model's drain
+        timeout at most); then the applications (when owned), the front and the board go."""
+        self.front.refuse_new()
+        if self.owned:
+            remove(self.app_name, self.applications)
+        self.front.stop()
+
+
 def deploy(models: list[ModelSpec], scaling: Scaling, host: str, port: int, app_name: str = "linnet",
-           api_key: str | None = None, address: str | None = None) -> str:
-    """Connect to (or start) a Ray cluster, deploy the application and wait until it answers; its URL."""
-    app = application(models, scaling, app_name, api_key)
-    connect(address)
-    board(app_name)
-    serve.start(http_options={"host": host, "port": port})
+           api_key: str | None = None, address: str | None = None, max_connections: int = 1024,
+           per_peer: int | None = None, ray_init: dict | None = None, join: bool = False) -> Deployed:
+    """Take host:port, connect to (or start) a Ray cluster (`ray_init`: more `ray.init` arguments),
+    deploy each model's application, wait until their replicas run, and start the front there.
+    `join`: deploy nothing; serve another front for the applications another process deployed."""
+    targets = applications(models, scaling, app_name)
+    names = [t.name for t in targets]
+    front = Front({m.name: (deployment_name(m.name), name) for m, name in zip(models, names, strict=True)}, app_name, host, port,
+                  api_key, max_connections=max_connections, per_peer=per_peer, graceful_s=scaling.drain_timeout)
+    front.bind()
     try:
-        serve.run(app, name=app_name, route_prefix="/", blocking=False)
+        connect(address, **(ray_init or {}))
+        running = set(serve.status().applications) & set(names)
+        if join and running != set(names):
+            missing = ", ".join(repr(n) for n in names if n not in running)
+            raise InputError(f"nothing to join: {missing} does not run on this cluster; start it with "
+                             "`linnet serve --ray` (without --join)")
+        if not join and running:
+            raise InputError(f"{', '.join(repr(n) for n in sorted(running))} already runs on this cluster (another "
+                             "`linnet serve --ray`); add --join to serve another front for it")
+    except BaseException:
+        front.stop()
+        raise
+    if not join:
+        _run(targets, front, app_name)
+    try:
+        front.start()
+    except BaseException:
+        if not join:
+            remove(app_name, names)
+        raise
+    return Deployed(app_name, names, front, owned=not join)
+
+
+def _run(targets: list, front: Front, app_name: str) -> None:
+    board(app_name)
+    serve.start(proxy_location="Disabled")  # no Ray HTTP proxy: the front is the application's HTTP face
+    try:
+        serve.run_many(targets)
     except RuntimeError as e:  # a replica could not start (Ray Serve gave up after its retries)
-        undeploy(app_name)
+        front.stop()
+        remove(app_name, [t.name for t in targets])
         reason = next((line.strip() for line in str(e).splitlines() if "Error" in line), str(e).splitlines()[0])
         raise BackendUnavailable(f"the application did not start on Ray: {reason}",
                                  hint="the replicas' logs are under the cluster's session folder "
                                       "(/tmp/ray/session_latest/logs/serve)") from None
-    return f"http://{host}:{port}/v1"
 
 
-def undeploy(app_name: str = "linnet") -> None:
-    """Delete the application (its replicas drain first) and its board."""
-    serve.delete(app_name)
+def remove(app_name: str, applications: list[str]) -> None:
+    """Delete the applications (their replicas drain first, all at once) and the board."""
+    for name in applications:
+        serve.delete(name, _blocking=False)
+    deadline = time.monotonic() + GONE_TIMEOUT_S
+    while set(applications) & set(serve.status().applications) and time.monotonic() < deadline:
+        time.sleep(0.2)
     try:
         ray.kill(ray.get_actor(f"board-{app_name}", namespace=NAMESPACE))
     except ValueError:

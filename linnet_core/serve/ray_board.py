@@ -1,5 +1,5 @@
 """The board of a Linnet application on Ray: each live replica's model, actor name and latest metrics
-text, which the ingress's /metrics reads (each sample labelled with its model and replica) and the
+text, which the front's /metrics reads (each sample labelled with its model and replica) and the
 tests use to find a replica's actor. Replicas report when their metrics change and say goodbye when
 they stop; one killed without a goodbye drops out after STALE_S."""
 
@@ -41,8 +41,8 @@ def board(app_name: str):
 
 
 class Reporter(threading.Thread):
-    """Sends a replica's metrics to the board when they change (checked every REPORT_S, and at once
-    when poked: a request ended), and says goodbye when stopped."""
+    """Sends a replica's metrics to the board when they change (checked every REPORT_S, never on a
+    request's path: a push after each request delayed the next one), and says goodbye when stopped."""
 
     def __init__(self, app_name: str, replica: str, entry: dict, metrics):
         super().__init__(daemon=True, name="linnet-metrics-reporter")
@@ -57,10 +57,6 @@ class Reporter(threading.Thread):
                 self.board.report.remote(self.replica, {**self.entry, "metrics": text})
                 last = text
             self.wake.wait(REPORT_S)
-            self.wake.clear()
-
-    def poke(self):
-        self.wake.set()
 
     def stop(self):
         self.done = True

@@ -1,8 +1,8 @@
-"""The Ray ingress: `linnet serve`'s routes, each request forwarded whole to a replica of
-the model it names, the answer passed back as the replica streams it. A replica that dies before
-answering hands the request to another (twice at most, then a 503 with Retry-After); one that dies
-mid-stream ends the stream with an error event (OpenAI's shape, which its SDK raises as an error)
-and `[DONE]`, so no client waits on a dead replica."""
+"""The ingress of a Linnet application on Ray (served by `ray_front`): `linnet serve`'s routes, each
+request forwarded whole to a replica of the model it names, the answer passed back as the replica
+sends it. A replica that dies before answering hands the request to another (twice at most, then a
+503 with Retry-After); one that dies mid-stream ends the stream with an error event (OpenAI's shape,
+which its SDK raises as an error) and `[DONE]`, so no client waits on a dead replica."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import time
 from collections import Counter, deque
 
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from .http_common import ApiError, ApiKeyCheck, answer_errors, read_json_body
+from .http_common import RETRY_AFTER_S, ApiError, ApiKeyCheck, answer_errors, read_json_body
 from .prefix_routing import placement, route_key
 from .ray_board import board
 
@@ -28,22 +28,22 @@ DROPPED_HEADERS = {b"authorization", b"content-length", b"transfer-encoding", b"
 
 class Ingress:
     """The application's HTTP face: `linnet serve`'s routes, each model's requests forwarded to its
-    deployment. Its ASGI app is built in the replica (`__serve_build_asgi_app__`)."""
+    deployment through `handles` (streaming deployment handles, one per model)."""
 
-    def __init__(self, models: dict, app_name: str, api_key: str | None, max_body_bytes: int):
-        self.handles = {name: h.options(stream=True) for name, h in models.items()}
+    def __init__(self, handles: dict, app_name: str, api_key: str | None, max_body_bytes: int):
+        self.handles = handles
+        self.closing = False  # the application is being deleted: new requests get a 503
         self.app_name, self.api_key, self.max_body_bytes = app_name, api_key, max_body_bytes
         self.started = int(time.time())
         self.overheads: deque[float] = deque(maxlen=OVERHEAD_SAMPLES)
         self.overhead_total, self.forwarded = 0.0, 0
-        self.placed = {name: Counter() for name in models}  # per model: owner, spilled, unkeyed
+        self.placed = {name: Counter() for name in handles}  # per model: owner, spilled, unkeyed
         self.board = board(app_name)
-
-    def __serve_build_asgi_app__(self):
-        return ingress_app(self)
 
     def handle_for(self, model) -> tuple[str, object]:
         """The model a request names (the first one when it names none)."""
+        if self.closing:
+            raise ApiError(503, "the server is shutting down", code="service_unavailable", kind="server_error")
         if isinstance(model, str) and model in self.handles:
             return model, self.handles[model]
         if model is None or len(self.handles) == 1:  # one model: a wrong name is answered by its replica, as alone
@@ -75,6 +75,9 @@ def ingress_app(ing: Ingress):
 
     @app.get("/health")
     async def health():
+        if ing.closing:
+            return JSONResponse({"status": "shutting down"}, status_code=503,
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
         return {"status": "ok", "models": list(ing.handles)}
 
     @app.get("/v1/models")
@@ -84,7 +87,10 @@ def ingress_app(ing: Ingress):
 
     @app.get("/metrics")
     async def metrics():
-        entries = await ing.board.read.remote()
+        try:
+            entries = await ing.board.read.remote()
+        except RayActorError:  # the deploying process has gone and took the board: this front's own alone
+            entries = {}
         return PlainTextResponse(metrics_text(ing, entries), media_type="text/plain; version=0.0.4")
 
     @app.get("/tokenizer_info")
@@ -126,19 +132,10 @@ def ingress_app(ing: Ingress):
         out = {k.decode("latin-1"): v.decode("latin-1") for k, v in start["headers"]
                if k.lower() not in DROPPED_HEADERS}
         out["x-linnet-replica"] = start["replica"]
-        if out.get("content-type", "").startswith("text/event-stream"):
-            return StreamingResponse(_events(stream, name), status_code=start["status"], headers=out)
-        parts = []
-        try:
-            async for part in stream:
-                parts.append(part)
-        except asyncio.CancelledError:
+        if "body" in start:  # the whole response in one message
             stream.cancel()
-            raise
-        except Exception as e:  # noqa: BLE001 - whatever ended the replica, the client gets one clear answer
-            raise ApiError(503, f"the replica serving '{name}' failed while answering ({type(e).__name__}); "
-                                "retry", code="replica_failed", kind="server_error") from None
-        return Response(b"".join(parts), status_code=start["status"], headers=out)
+            return Response(start["body"], status_code=start["status"], headers=out)
+        return StreamingResponse(_events(stream, name), status_code=start["status"], headers=out)
 
     return ApiKeyCheck(app, ing.api_key) if ing.api_key else app
 
@@ -161,7 +158,7 @@ def _label(value: str) -> str:
 
 
 def metrics_text(ing, entries: dict[str, dict]) -> str:
-    """The ingress's own metrics, then every live replica's, each sample labelled with its model and
+    """The front's own metrics, then every live replica's, each sample labelled with its model and
     replica (one HELP and TYPE per metric)."""
     lines = ["# HELP linnet_ray_replicas Live replicas, by model.", "# TYPE linnet_ray_replicas gauge"]
     for name in ing.handles:
@@ -173,7 +170,7 @@ def metrics_text(ing, entries: dict[str, dict]) -> str:
         lines += [f'linnet_ray_routed_total{{model="{_label(name)}",placement="{how}"}} {counts.get(how, 0)}'
                   for how in ("owner", "spilled", "unkeyed")]
     samples = sorted(ing.overheads)
-    lines += ["# HELP linnet_ray_forward_overhead_seconds What the ingress adds to a request: its time to the "
+    lines += ["# HELP linnet_ray_forward_overhead_seconds What the front adds to a request: its time to the "
               "replica's first answer less the replica's own (the latest 10,000 requests' quantiles).",
               "# TYPE linnet_ray_forward_overhead_seconds summary"]
     for q in (0.5, 0.9, 0.99):

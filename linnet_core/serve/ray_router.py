@@ -1,5 +1,5 @@
 """Ray Serve's request router for Linnet's replicas: prefix affinity (`prefix_routing`) over the loads
-this router has placed. It runs inside the ingress's deployment handles, one per model.
+this router has placed. It runs inside the front's deployment handles, one per model.
 
 Why not `ray.serve.llm`'s PrefixCacheAffinityRouter: it comes with `ray[llm]` (vLLM and its stack),
 and its prefix tree lives in one actor every routing decision waits on; a rendezvous hash needs no
@@ -41,7 +41,7 @@ class PrefixAffinityRouter(RequestRouter):
                  for i, r in by_id.items()}
         key = _key(pending_request)
         ranks, owner = rank(key, loads, self.busy_at)
-        if pending_request is not None:  # travels with the request: the ingress learns whether the owner took it
+        if pending_request is not None:  # travels with the request: the front learns whether the owner took it
             pending_request.kwargs["owner"] = owner
             if key is not None:  # Ray takes the rank's shorter queue: count it there
                 chosen = min(ranks[0], key=lambda i: loads[i] or 0)
