@@ -7,8 +7,9 @@ same with `--no-affinity` (Ray Serve's own router: the shorter of two queues). T
 prompts at 8 in flight, a 1,000-token shared system prompt, 4-turn chats), in turns, and prints per
 workload throughput, TTFT p99 and ITL p99 of each; what the front adds to a request (median and p99:
 its hop to a replica from its /metrics, one request at a time first, then over every request of the
-workloads; and /tokenize, which runs no engine step, end to end against one `linnet serve`'s); and
-how many requests the prefix's owner took.
+workloads; and /tokenize, which runs no engine step, end to end against one `linnet serve`'s); the
+share of each workload's prompt tokens the prefix caches reused; and how many requests the prefix's
+owner took.
 
     python bench/serving_ray.py /tmp/qwen3-191m --dtype bf16 --out bench/results/serving_ray
 """
@@ -82,6 +83,12 @@ def idle_latency(base: str, ray: bool, requests: int = 300) -> dict[str, float]:
     return out
 
 
+def reused(base: str) -> tuple[float, float]:
+    """Prompt tokens the prefix caches reused, and prompt tokens in all, over every replica so far."""
+    text = httpx.get(f"{base}/metrics").text
+    return (sample_sum(text, "linnet_prefix_cache_reused_tokens_total"), sample_sum(text, "linnet_prompt_tokens_total"))
+
+
 def bench(model: str, base: str, workload: str, path: Path) -> dict:
     cmd = ["linnet", "bench", model, "--serving", "--target", "none", "--url", f"{base}/v1", *WORKLOADS[workload],
            "--save", str(path), "--quiet"]
@@ -121,7 +128,10 @@ def main() -> None:
             wait_ready(base, None if name == "single" else 2)
             idle[name] = idle_latency(base, ray=name != "single")
             for workload in workloads:
+                before = reused(base)
                 rows[name, workload] = bench(a.model, base, workload, a.out / f"{name}_{workload}.json")
+                after = reused(base)
+                rows[name, workload]["prompt_reused"] = (after[0] - before[0]) / max(1.0, after[1] - before[1])
             if name != "single":
                 text = httpx.get(f"{base}/metrics").text
                 overhead[name] = (sample_sum(text, "linnet_ray_forward_overhead_seconds", quantile="0.5"),
@@ -131,7 +141,7 @@ def main() -> None:
                 (a.out / f"{name}_metrics.txt").write_text(text)
         finally:
             stop(proc)
-    print(f"| workload | {' | '.join(LABELS[n] + ': tok/s, TTFT p99, ITL p99' for n in SERVERS)} |")
+    print(f"| workload | {' | '.join(LABELS[n] + ': tok/s, TTFT p99, ITL p99, prompt reused' for n in SERVERS)} |")
     print("|---|" + "---:|" * len(SERVERS))
     for workload in workloads:
         one = rows["single", workload]["output_tok_s"]
@@ -139,9 +149,11 @@ def main() -> None:
         for name in SERVERS:
             r = rows[name, workload]
             cells.append(f"{r['output_tok_s']:.1f} ({r['output_tok_s'] / one:.2f}x), {r['ttft_ms_p99']:,.0f} ms, "
-                         f"{r['itl_ms_p99']:.1f} ms")
+                         f"{r['itl_ms_p99']:.1f} ms, {r['prompt_reused']:.0%}")
         print(f"| {workload} | {' | '.join(cells)} |")
     (a.out / "idle_latency.json").write_text(json.dumps(idle, indent=1))
+    (a.out / "prompt_reused.json").write_text(json.dumps({f"{n} {w}": r["prompt_reused"] for (n, w), r in rows.items()},
+                                                         indent=1))
     one = idle["single"]
     for name, (p50, p99, owner, spilled) in overhead.items():
         i = idle[name]
