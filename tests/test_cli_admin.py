@@ -123,6 +123,7 @@ def test_cache_rm_and_damaged_entries(filled_cache):
     (["serve", "--replicas", "2"], 1, "--replicas: for a deployment on Ray; add --ray"),
     (["serve", "--model", "a", "--ray-address", "auto"], 1, "--ray-address, --model: for a deployment on Ray"),
     (["serve", "--ray", "--ray-address", "qwen3-4b"], 1, "--ray-address is auto, HOST:PORT or ray://HOST:PORT"),
+    (["serve", "--ray", "--join", "--replicas", "3"], 1, "--replicas: set by the command that deployed the replicas"),
 ])
 def test_admin_errors_are_one_line(args, code, text, tmp_path, monkeypatch):
     monkeypatch.setenv("LINNET_CACHE", str(tmp_path / "c"))

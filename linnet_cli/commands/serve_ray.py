@@ -73,6 +73,14 @@ class RayRequest:
     join: bool = False
 
     def check(self) -> None:
+        if self.join:  # the replicas are as the deploying command made them
+            given = [name for name, value, default in (
+                ("--replicas", self.replicas, 1), ("--min-replicas", self.min_replicas, None),
+                ("--max-replicas", self.max_replicas, None), ("--replica-cpus", self.replica_cpus, 1.0),
+                ("--replica-gpus", self.replica_gpus, 0.0), ("--no-affinity", self.affinity, True)) if value != default]
+            if given:
+                raise InputError(f"{', '.join(given)}: set by the command that deployed the replicas; --join deploys "
+                                 "nothing")
         if self.address is not None and not _ADDRESS.match(self.address):
             raise InputError(f"--ray-address is auto, HOST:PORT or ray://HOST:PORT, not {self.address!r}")
 
@@ -92,8 +100,9 @@ def refuse_cluster_options(address, extra_models, replicas, min_replicas, max_re
 def serve_on_ray(request: RayRequest, model: str | None, config: ServeConfig, name: str | None, host: str,
                  port: int, api_key: str | None, max_tokens: int | None, drain_timeout: float,
                  max_connections: int | None, max_client_connections: int | None, sink: Sink) -> None:
-    """Deploy, say where, and serve until Ctrl-C or SIGTERM; then delete the application (its replicas
-    finish what they hold first)."""
+    """Deploy (or, with --join, find what another command deployed), say where, and serve until Ctrl-C or
+    SIGTERM; then turn new requests away, let those in flight finish, and delete what this command
+    deployed."""
     request.check()
     try:
         with warnings.catch_warnings():  # Ray's own modules trip pydantic's deprecations: not the user's to act on
@@ -129,7 +138,7 @@ def serve_on_ray(request: RayRequest, model: str | None, config: ServeConfig, na
             else f"{request.replicas} replica{'s' * (request.replicas > 1)}")
     routing = "by prompt prefix" if request.affinity else "by queue length"
     if request.join:
-        sink.info(f"serving on {deployed.url}, one more front for the replicas on Ray Serve (routed {routing})"
+        sink.info(f"serving on {deployed.url}, one more front for the replicas on Ray Serve"
                   f"{'; API key required' if api_key else ''}")
     else:
         sink.info(f"serving on {deployed.url}, replicas on Ray Serve ({each} of each model, each holding "

@@ -135,8 +135,9 @@ def deploy(models: list[ModelSpec], scaling: Scaling, host: str, port: int, app_
     `join`: deploy nothing; serve another front for the applications another process deployed."""
     targets = applications(models, scaling, app_name)
     names = [t.name for t in targets]
-    front = Front({m.name: (deployment_name(m.name), name) for m, name in zip(models, names, strict=True)}, app_name, host, port,
-                  api_key, max_connections=max_connections, per_peer=per_peer, graceful_s=scaling.drain_timeout)
+    where = {m.name: (deployment_name(m.name), name) for m, name in zip(models, names, strict=True)}
+    front = Front(where, app_name, host, port, api_key, max_connections=max_connections, per_peer=per_peer,
+                  graceful_s=scaling.drain_timeout)
     front.bind()
     try:
         connect(address, **(ray_init or {}))
