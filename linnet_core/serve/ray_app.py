@@ -168,9 +168,12 @@ def _run(targets: list, front: Front, app_name: str) -> None:
     serve.start(proxy_location="Disabled")  # no Ray HTTP proxy: the front is the application's HTTP face
     try:
         serve.run_many(targets)
-    except RuntimeError as e:  # a replica could not start (Ray Serve gave up after its retries)
+    except BaseException as e:  # nothing half-deployed stays behind: not on a failure, nor on Ctrl-C
         front.stop()
         remove(app_name, [t.name for t in targets])
+        if not isinstance(e, RuntimeError):
+            raise
+        # a replica could not start (Ray Serve gave up after its retries)
         reason = next((line.strip() for line in str(e).splitlines() if "Error" in line), str(e).splitlines()[0])
         raise BackendUnavailable(f"the application did not start on Ray: {reason}",
                                  hint="the replicas' logs are under the cluster's session folder "
