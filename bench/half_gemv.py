@@ -62,7 +62,7 @@ def main() -> None:
         if not rows:  # the same bytes read as float32
             rows["plain read (torch.sum)"] = nbytes / median_seconds(flat.view(torch.float32).sum, args.runs) / 1e9
         kernels = [(f"Linnet's {name} GEMV", gemv), (f"F.linear {name}", F.linear)]
-        if dtype != torch.bfloat16:  # the layout sessions hold these linears in (cpu/linears.py's PackedFloatLinear)
+        if dtype != torch.bfloat16 or ext.packed_bf16_dot():  # the layout sessions hold these in (PackedFloatLinear)
             packed = {id(w): ext.repack_rows8_float(w) for w in ws}
             kernels.insert(0, (f"Linnet's packed {name} GEMV", lambda x, w: ext.packed_float_linear(x, packed[id(w)], w.shape[0])))
         if dtype == torch.float32:  # what float32 sessions ran before: oneDNN's weights reordered at load
@@ -83,6 +83,15 @@ def main() -> None:
             t = median_seconds(lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], onednn[id(w)], None, "none", [], "")
                                         for w in layers], runs)
             rows["oneDNN packed f32 GEMM, 128-token prompt (GFLOP/s)"] = flops / t / 1e9
+        if dtype == torch.bfloat16 and ext.packed_bf16_dot():  # prompts: the pair-dot tiles against oneDNN (AMX where present)
+            layers = ws[:len(layer) * (len(shapes) // len(layer))]
+            xs = {k: torch.randn(128, k, generator=g).bfloat16() for k in {k for _, k in layer}}
+            flops = sum(2 * 128 * w.numel() for w in layers)
+            runs = max(3, args.runs // 4)
+            t = median_seconds(lambda: [ext.packed_float_linear(xs[w.shape[1]], packed[id(w)], w.shape[0]) for w in layers], runs)
+            rows["Linnet's packed bf16 GEMM, 128-token prompt (GFLOP/s)"] = flops / t / 1e9
+            t = median_seconds(lambda: [F.linear(xs[w.shape[1]], w) for w in layers], runs)
+            rows["F.linear bf16 (oneDNN), 128-token prompt (GFLOP/s)"] = flops / t / 1e9
         if dtype == torch.float16:  # prompts: Linnet's tiles against MKL over widened copies
             layers = ws[:len(layer) * (len(shapes) // len(layer))]
             xs = {k: torch.randn(128, k, generator=g).half() for k in {k for _, k in layer}}

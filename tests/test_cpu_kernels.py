@@ -54,13 +54,31 @@ def test_bias_and_what_the_kernel_leaves_to_f_linear(ext):
 def test_each_dtype_takes_linnets_kernel(ext):
     from linnet_core.backends.cpu.linears import PackedFloatLinear
 
-    # bf16 stays mapped where the ISA's bf16 dot spans one row or the CPU has AMX (oneDNN's prompts);
-    # elsewhere it is repacked: pair dots where they span two rows, else widened as float16
-    mapped = ext.bf16_dot() and (not ext.packed_bf16_dot() or "amx_bf16" in build.cpu_features())
+    # bf16 stays mapped where the ISA's bf16 dot spans one row or the CPU has AMX this build lacks (oneDNN's
+    # prompts); elsewhere it is repacked: pair dots where they span two rows, else widened as float16
+    amx_unused = "amx_bf16" in build.cpu_features() and not ext.amx()
+    mapped = ext.bf16_dot() and (not ext.packed_bf16_dot() or amx_unused)
     assert linear_kernel(torch.bfloat16) is (DecodeLinear if mapped else PackedFloatLinear)
-    assert ext.packed_bf16_dot() == (ext.level() == "avx512")
+    assert ext.packed_bf16_dot() == (ext.level() in ("avx512-amx", "avx512"))
+    assert ext.amx() == (ext.level() == "avx512-amx")  # Linux grants the tiles wherever the CPU has them
     assert linear_kernel(torch.float16) is PackedFloatLinear and linear_kernel(torch.float32) is PackedFloatLinear
-    assert ext.bf16_dot() == (ext.level() in ("avx512", "neon-i8mm", "neon-dotprod-bf16"))
+    assert ext.bf16_dot() == (ext.level() in ("avx512-amx", "avx512", "neon-i8mm", "neon-dotprod-bf16"))
+
+
+@pytest.mark.parametrize("M", [13, 32, 45, 128])
+def test_bfloat16_prompts_on_the_packed_blocks_match_f_linear(ext, M):
+    """A prompt's bf16 rows over the packed blocks (AMX's tiles where the level has them, else the pair-dot or
+    widening tiles): within bf16's rounding of float32's product, each row as it is alone, and rows past
+    the packed blocks' padding (N % 32) and token rows past a tile (M % 32) left out."""
+    g = torch.Generator().manual_seed(M)
+    for N, K in ((50, 96), (1000, 1024), (72, 3072)):
+        w, x = torch.randn(N, K, generator=g).bfloat16(), torch.randn(M, K, generator=g).bfloat16()
+        packed = ext.repack_rows8_float(w)
+        got = ext.packed_float_linear(x, packed, N)
+        want = F.linear(x.float(), w.float())
+        assert got.shape == (M, N) and torch.allclose(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=1e-2)
+        assert (got == want.bfloat16()).float().mean() > 0.99  # most sums round as float32's do
+        assert torch.equal(ext.packed_float_linear(x[:1].expand(M, K).contiguous(), packed, N)[0], got[0])
 
 
 @pytest.mark.parametrize("rows", [1, 2])
@@ -520,8 +538,10 @@ def test_dispatch_takes_the_highest_level_the_cpu_runs(monkeypatch):
     """As ATen and ggml dispatch: the first level whose features this CPU has (x86-64 from
     /proc/cpuinfo's flags, ARM64 from HWCAP), none below the floor, each level's flags in its key."""
     monkeypatch.delenv(build.LEVEL_ENV, raising=False)
-    cases = [("x86_64", {"avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
-                         "avx512_vnni"}, "avx512"),
+    avx512 = {"avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
+    cases = [("x86_64", avx512 | {"amx_tile", "amx_bf16", "amx_int8"}, "avx512-amx"),
+             ("x86_64", avx512 | {"amx_tile"}, "avx512"),  # AMX without its bf16 dot
+             ("x86_64", avx512, "avx512"),
              ("x86_64", {"avx2", "fma", "f16c", "avx_vnni", "avx512f"}, "avx2-vnni"),  # AVX-512 without BF16
              ("x86_64", {"avx2", "fma", "f16c"}, "avx2"),
              ("x86_64", {"avx", "sse4_2"}, None),
@@ -548,7 +568,7 @@ def test_a_forced_level_is_honoured_and_a_level_the_cpu_lacks_is_one_line(monkey
     from linnet_core.errors import BackendUnavailable
 
     for name, says in (("avx512", "asks for AVX-512 BF16/VNNI, which this CPU lacks (it runs: avx2-vnni, avx2)"),
-                       ("sse9", "is not a kernel level; the levels are avx512, avx2-vnni, avx2, neon-i8mm, neon-dotprod-bf16")):
+                       ("sse9", "is not a kernel level; the levels are avx512-amx, avx512, avx2-vnni, avx2, neon-i8mm, neon-dotprod-bf16")):
         monkeypatch.setenv(build.LEVEL_ENV, name)
         with pytest.raises(BackendUnavailable, match=says.replace("(", r"\(").replace(")", r"\)")) as e:
             build.chosen_level()

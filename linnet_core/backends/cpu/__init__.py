@@ -11,6 +11,7 @@ and the few operations the kernels use (loads and stores of float32/bfloat16/flo
 per level with that level's flags, and the highest level this CPU runs is loaded, as ATen and ggml
 dispatch (`LINNET_CPU_LEVEL` forces a lower one):
 
+- `avx512-amx`: `avx512` plus AMX's bf16 tiles (Intel Xeon since Sapphire Rapids), for bf16 prompts;
 - `avx512`: AVX-512 F/BW/VL with BF16 and VNNI (Intel since Cooper Lake, AMD since Zen 4);
 - `avx2-vnni`: AVX2 + FMA + F16C with AVX-VNNI (Intel client CPUs since Alder Lake);
 - `avx2`: AVX2 + FMA + F16C, the x86-64 floor (AMD before Zen 4, older Intel);
@@ -40,9 +41,11 @@ thread reads a few long streams that the hardware prefetcher follows. The kernel
   bfloat16 goes by AVX-512 BF16's pair dot, one instruction for 16 of x against two rows
   (`packed_bf16_dot()`; on a Zen 5 one-row decode as fast as the row GEMV, five rows 1.16x a
   one-row pass where the row GEMV took 1.40x, prompts 0.90-0.94x oneDNN's GEMM), widened as float16 where the ISA has no
-  bf16 dot; it stays in the row layout where the dot spans one row (ARM) or the CPU has AMX
-  (oneDNN's bf16 prompts run on it). A head tied to the token table keeps the row layout and
-  `row_linear`.
+  bf16 dot; on `avx512-amx` its prompts run on AMX's tiles (`amx_linear`: each panel of 32 rows turned
+  into tiles once, 0.99-1.15x oneDNN's AMX GEMM), where the row layout kept for oneDNN had decode at
+  0.85x. It stays in the row layout where the dot spans one row (ARM) or the CPU has AMX the build
+  lacks (a forced lower level: oneDNN's bf16 prompts run on it). A head tied to the token table keeps
+  the row layout and `row_linear`.
 - `ops.cpp`: the kernels as C++ operators (`torch.ops.linnet_kernels.*`) for compiled steps, and
   `row_linear`, the row layout's choice between the GEMV and a GEMM.
 - `decode_attention`: one-token queries over the KV cache in place (float32, float16, bfloat16),

@@ -42,9 +42,12 @@ class Level:
 
 _X86_FLOOR = ("-mavx2", "-mfma", "-mf16c")
 # Highest first: dispatch takes the first one the CPU has, as ATen's and ggml's CPU backends do.
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "fma", "f16c")
+_AVX512_FLAGS = _X86_FLOOR + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni")
 LEVELS = (
-    Level("avx512", "AVX-512 BF16/VNNI", "x86_64", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "fma", "f16c"),
-          _X86_FLOOR + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni")),
+    Level("avx512-amx", "AVX-512 BF16/VNNI + AMX", "x86_64", _AVX512 + ("amx_tile", "amx_bf16"),
+          _AVX512_FLAGS + ("-mamx-tile", "-mamx-bf16")),
+    Level("avx512", "AVX-512 BF16/VNNI", "x86_64", _AVX512, _AVX512_FLAGS),
     Level("avx2-vnni", "AVX2 + AVX-VNNI", "x86_64", ("avx2", "fma", "f16c", "avx_vnni"), _X86_FLOOR + ("-mavxvnni",)),
     Level("avx2", "AVX2", "x86_64", ("avx2", "fma", "f16c"), _X86_FLOOR),
     Level("neon-i8mm", "NEON + dotprod + i8mm + bf16", "aarch64", ("asimd", "asimddp", "i8mm", "bf16"),

@@ -246,14 +246,17 @@ class ExpertStack(list):
 
 def linear_kernel(dtype: torch.dtype) -> type[CpuLinear] | None:
     """The kernel class for linear weights of `dtype` on this CPU: Linnet's own (float16, float32 and
-    bf16 weights repacked for its GEMVs and tiles; bf16 mapped as is for its row GEMV and oneDNN's GEMM
-    where the CPU has AMX, or a bf16 dot that spans one row only) where they build and run, else
+    bf16 weights repacked for its GEMVs and tiles, AMX's for bf16 prompts where the level has it; bf16
+    mapped as is for its row GEMV and oneDNN's GEMM where the CPU has AMX the build lacks, or a bf16 dot
+    that spans one row only) where they build and run, else
     oneDNN's packed weights where they run, else none (F.linear)."""
     ext = extension.extension()
     if ext is not None:
         # the packed pair-dot tiles run prompts at 0.90-0.94x oneDNN's AVX-512 bf16 GEMM (Zen 5) for faster
-        # multi-row passes; where the CPU has AMX oneDNN runs prompts on it, so there bf16 stays mapped
-        if dtype == torch.bfloat16 and ext.bf16_dot() and (not ext.packed_bf16_dot() or "amx_bf16" in cpu_features()):
+        # multi-row passes; where the CPU has AMX and this build does not (a forced lower level) oneDNN
+        # runs prompts on it, 4.5x the pair-dot tiles, so there bf16 stays mapped
+        amx_unused = "amx_bf16" in cpu_features() and not ext.amx()
+        if dtype == torch.bfloat16 and ext.bf16_dot() and (not ext.packed_bf16_dot() or amx_unused):
             return DecodeLinear
         if dtype in (torch.float16, torch.float32, torch.bfloat16):  # bf16 widened, as float16
             return PackedFloatLinear

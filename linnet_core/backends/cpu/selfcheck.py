@@ -117,6 +117,10 @@ def self_check(ext) -> str | None:
             return "its packed bfloat16 linear disagreed with F.linear"
         if rows > 2 and not torch.allclose(ext.gemm_bf16(xb, wb).float(), want, atol=0.1, rtol=2e-2):
             return "its bfloat16 prompt tiles disagreed with F.linear"
+    wb, xb = torch.randn(40, 96, generator=g).to(torch.bfloat16), torch.randn(45, 96, generator=g).to(torch.bfloat16)
+    got = ext.packed_float_linear(xb, ext.repack_rows8_float(wb), 40)  # a prompt: AMX's tiles where the level has them
+    if not torch.allclose(got.float(), F.linear(xb.float(), wb.float()), atol=0.1, rtol=2e-2):
+        return "its packed bfloat16 prompt disagreed with F.linear"
     for fmt in QUANT_CODES:
         for rows in (1, 3, 5, 11):  # token rows in and past one register pass; 43 rows: a padded group
             x, wq = torch.randn(rows, 96, generator=g), quantize(torch.randn(43, 96, generator=g), fmt)

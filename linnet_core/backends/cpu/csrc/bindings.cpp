@@ -46,6 +46,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot", [] { return linnet::kBf16Dot; }, "whether this level multiplies bfloat16 pairs natively");
   m.def("packed_bf16_dot", [] { return linnet::kPackedBf16Dot; },
         "whether the packed bfloat16 linear multiplies pairs natively (else it widens, as float16)");
+  m.def("amx", [] {
+    if constexpr (linnet::kAmx) return linnet::amx_usable();
+    else return false;
+  }, "whether bfloat16 prompts run on AMX's tiles (this level has them and the OS grants them)");
   m.def("gemv_bf16", &gemv_bf16, no_gil(), "bf16 x [M, K] @ w [N, K].T, 8 rows a pass");
   m.def("gemv_f16", &gemv_f16, no_gil(), "f16 x [M, K] @ w [N, K].T, float32 inside, 8 rows a pass");
   m.def("gemm_f16", &gemm_f16, no_gil(), "f16 x [..., K] @ w [N, K].T, register tiles widening w, float32 inside");

@@ -1,7 +1,8 @@
 // The one place Linnet's CPU kernels touch an instruction set: a float vector `Vf` of kW lanes and the
 // few operations the kernels use, for three families, chosen by the compiler's own macros (build.py
 // compiles the same sources once per level with that level's flags):
-//   AVX-512 (F/BW/VL, BF16, VNNI): 16 lanes, masked tails, vdpbf16ps, vpdpbusd;
+//   AVX-512 (F/BW/VL, BF16, VNNI): 16 lanes, masked tails, vdpbf16ps, vpdpbusd; AMX's bf16 tiles where
+//   the level has them;
 //   AVX2 + FMA + F16C: 8 lanes, vpdpbusd where AVX-VNNI is present, vpmaddubsw otherwise;
 //   ARM64 NEON: 4 lanes, sdot where the dot-product extension is present (i8mm's usdot where that
 //   is), bfdot where bf16 is.
@@ -19,6 +20,10 @@
     defined(__AVX512VNNI__)
 #define LINNET_AVX512 1
 #include <immintrin.h>
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>  // arch_prctl: the tiles' state
+#include <unistd.h>
+#endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LINNET_AVX2 1
 #include <immintrin.h>
@@ -243,6 +248,90 @@ Bf16Twice x16_twice(const uint16_t* x);
 Vf dot_two_rows(Vf acc, const uint16_t* w, Bf16Twice x);
 float sum_row_a(Vf acc);
 float sum_row_b(Vf acc);
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// AMX (Intel Xeon since Sapphire Rapids): eight tile registers and a bf16 tile dot product, for bf16
+// prompts over the packed blocks (gemv.cpp's amx_linear). Every tile is 16 rows x 64 bytes: 0-3 the
+// float32 sums of 16 token rows x 16 weight rows, 4-5 16 token rows x 32 of K, 6-7 16 pairs of K x
+// 16 weight rows (each row's pair kept together, as TDPBF16PS takes them: the "VNNI" layout).
+#if LINNET_AVX512 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define LINNET_AMX 1
+constexpr bool kAmx = true;
+// Linux gives a process the tiles' 8 KiB of state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA, feature 18); where it refuses (an older kernel, a hypervisor hiding it) prompts take the
+// pair-dot tiles.
+inline bool amx_usable() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+// A thread's tile shapes (palette 1, all eight 16 x 64 bytes), before its first tile instruction.
+inline void amx_begin() {
+  alignas(64) uint8_t config[64] = {};
+  config[0] = 1;
+  for (int t = 0; t < 8; ++t) {
+    const uint16_t bytes = 64;
+    std::memcpy(config + 16 + 2 * t, &bytes, 2);
+    config[48 + t] = 16;
+  }
+  _tile_loadconfig(config);
+}
+inline void amx_end() { _tile_release(); }
+// c [32, 32] float32 (rows 32 apart) = a [32 token rows, 32 * steps] (rows lda apart) @ the weight panel
+// b: per step of 32 of K two B tiles (weight rows 0-15, then 16-31), 1 KiB each, as vnni_tile writes.
+inline void amx_bf16_32x32(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t steps, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, a + s * 32, lda * 2);
+    _tile_loadd(5, a + 16 * lda + s * 32, lda * 2);
+    _tile_loadd(6, b + s * 1024, 64);
+    _tile_loadd(7, b + s * 1024 + 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+  _tile_stored(2, c + 16 * 32, 128);
+  _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+// One B tile, out [16 pairs of K][16 weight rows][2], from 16 weight rows' 32 of K (row r's first 16
+// at rows[r], its next 16 at rows[r] + next): a 16 x 16 transpose of the rows' 32-bit pairs.
+inline void vnni_tile(const uint16_t* const* rows, int64_t next, uint16_t* out) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i)
+    r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)rows[i])),
+                              _mm256_loadu_si256((const __m256i*)(rows[i] + next)), 1);
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: rows i, i + 1 interleaved
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[i + c], lane L: rows i..i+3 of column 4L + c
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4L + c: lane L of r[c], r[4 + c], r[8 + c], r[12 + c]
+    const __m512i x0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i x2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44), x3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    _mm512_storeu_si512(out + (0 + c) * 32, _mm512_shuffle_i32x4(x0, x2, 0x88));
+    _mm512_storeu_si512(out + (4 + c) * 32, _mm512_shuffle_i32x4(x0, x2, 0xDD));
+    _mm512_storeu_si512(out + (8 + c) * 32, _mm512_shuffle_i32x4(x1, x3, 0x88));
+    _mm512_storeu_si512(out + (12 + c) * 32, _mm512_shuffle_i32x4(x1, x3, 0xDD));
+  }
+}
+#else
+constexpr bool kAmx = false;  // declared only, for code discarded by `if constexpr (kAmx)`
+bool amx_usable();
+void amx_begin();
+void amx_end();
+void amx_bf16_32x32(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t steps, float* c);
+void vnni_tile(const uint16_t* const* rows, int64_t next, uint16_t* out);
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -474,7 +563,9 @@ struct Lanes<1> {  // one group: a register's lanes are its 8 rows
 
 // The level this file was compiled for, as build.py names it (checked at load against the one asked for).
 inline const char* level_name() {
-#if LINNET_AVX512
+#if LINNET_AMX
+  return "avx512-amx";
+#elif LINNET_AVX512
   return "avx512";
 #elif LINNET_AVX2 && defined(__AVXVNNI__)
   return "avx2-vnni";
