@@ -73,36 +73,24 @@ def main() -> None:
             for label, fn in kernels:
                 t = median_seconds(lambda: [fn(xs[w.shape[1]], w) for w in ws], args.runs)
                 rows[f"{label}, {m} token row(s)"] = nbytes / t / 1e9
-        if dtype == torch.float32:  # prompts: Linnet's tiles against oneDNN's
-            layers = ws[:len(layer) * (len(shapes) // len(layer))]
-            xs = {k: torch.randn(128, k, generator=g) for k in {k for _, k in layer}}
-            flops = sum(2 * 128 * w.numel() for w in layers)
-            runs = max(3, args.runs // 4)
-            t = median_seconds(lambda: [ext.packed_float_linear(xs[w.shape[1]], packed[id(w)], w.shape[0]) for w in layers], runs)
-            rows["Linnet's packed f32 GEMM, 128-token prompt (GFLOP/s)"] = flops / t / 1e9
-            t = median_seconds(lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], onednn[id(w)], None, "none", [], "")
-                                        for w in layers], runs)
-            rows["oneDNN packed f32 GEMM, 128-token prompt (GFLOP/s)"] = flops / t / 1e9
-        if dtype == torch.bfloat16 and ext.packed_bf16_dot():  # prompts: the pair-dot tiles against oneDNN (AMX where present)
-            layers = ws[:len(layer) * (len(shapes) // len(layer))]
-            xs = {k: torch.randn(128, k, generator=g).bfloat16() for k in {k for _, k in layer}}
-            flops = sum(2 * 128 * w.numel() for w in layers)
-            runs = max(3, args.runs // 4)
-            t = median_seconds(lambda: [ext.packed_float_linear(xs[w.shape[1]], packed[id(w)], w.shape[0]) for w in layers], runs)
-            rows["Linnet's packed bf16 GEMM, 128-token prompt (GFLOP/s)"] = flops / t / 1e9
-            t = median_seconds(lambda: [F.linear(xs[w.shape[1]], w) for w in layers], runs)
-            rows["F.linear bf16 (oneDNN), 128-token prompt (GFLOP/s)"] = flops / t / 1e9
-        if dtype == torch.float16:  # prompts: Linnet's tiles against MKL over widened copies
-            layers = ws[:len(layer) * (len(shapes) // len(layer))]
-            xs = {k: torch.randn(128, k, generator=g).half() for k in {k for _, k in layer}}
-            flops = sum(2 * 128 * w.numel() for w in layers)
-            runs = max(3, args.runs // 4)
-            t = median_seconds(lambda: [ext.packed_float_linear(xs[w.shape[1]], packed[id(w)], w.shape[0]) for w in layers], runs)
-            rows["Linnet's packed f16 GEMM, 128-token prompt (GFLOP/s)"] = flops / t / 1e9
-            t = median_seconds(lambda: [ext.gemm_f16(xs[w.shape[1]], w) for w in layers], runs)
-            rows["Linnet's f16 GEMM, 128-token prompt (GFLOP/s)"] = flops / t / 1e9
-            t = median_seconds(lambda: [F.linear(xs[w.shape[1]].float(), w.float()) for w in layers], runs)
-            rows["float32 F.linear over widened copies, 128 tokens (GFLOP/s)"] = flops / t / 1e9
+        # prompts: Linnet's tiles against oneDNN's (float32; bf16 on AMX where present) or MKL over widened copies
+        contenders = {
+            torch.float32: [("oneDNN packed f32 GEMM", lambda x, w: torch.ops.mkldnn._linear_pointwise(
+                x, onednn[id(w)], None, "none", [], ""))],
+            torch.bfloat16: [("F.linear bf16 (oneDNN)", F.linear)] if ext.packed_bf16_dot() else None,
+            torch.float16: [("Linnet's f16 GEMM", ext.gemm_f16),
+                            ("float32 F.linear over widened copies", lambda x, w: F.linear(x.float(), w.float()))],
+        }[dtype]
+        if contenders is None:
+            continue
+        layers = ws[:len(layer) * (len(shapes) // len(layer))]
+        xs = {k: torch.randn(128, k, generator=g).to(dtype) for k in {k for _, k in layer}}
+        flops = sum(2 * 128 * w.numel() for w in layers)
+        runs = max(3, args.runs // 4)
+        packed_gemm = (f"Linnet's packed {name} GEMM", lambda x, w: ext.packed_float_linear(x, packed[id(w)], w.shape[0]))
+        for label, fn in [packed_gemm, *contenders]:
+            t = median_seconds(lambda: [fn(xs[w.shape[1]], w) for w in layers], runs)
+            rows[f"{label}, 128-token prompt (GFLOP/s)"] = flops / t / 1e9
     print(f"{'':60s} GB/s or GFLOP/s")
     for name, value in rows.items():
         print(f"{name:60s} {value:8.1f}")
