@@ -576,6 +576,39 @@ def test_a_forced_level_is_honoured_and_a_level_the_cpu_lacks_is_one_line(monkey
         assert build.status()[0] is False and says in build.status()[1]
 
 
+def test_a_level_that_fails_to_build_gives_way_to_the_next(monkeypatch):
+    """A compiler too old for the highest level's flags (AMX's) builds the next level, said once; a forced
+    level that fails to build is the generic ops with the reason, never another level."""
+    from linnet_core.backends.cpu import extension as extension_module
+
+    monkeypatch.setattr(build, "_arch", lambda: "x86_64")
+    monkeypatch.setattr(build, "cpu_features", lambda: frozenset({"avx2", "fma", "f16c", "avx_vnni"}))
+    monkeypatch.delenv(build.LEVEL_ENV, raising=False)
+
+    class Built:
+        def __init__(self, name):
+            self.name = name
+
+        def level(self):
+            return self.name
+
+    def fake_build(level):
+        if level.name == "avx2-vnni":
+            raise RuntimeError("g++: error: unrecognized command-line option '-mavxvnni'")
+        return Built(level.name)
+
+    monkeypatch.setattr(extension_module, "build_extension", fake_build)
+    monkeypatch.setattr(extension_module, "self_check", lambda ext: None)
+    monkeypatch.setattr(extension_module, "register_fakes", lambda: None)
+    with pytest.warns(build.KernelBuildNotice, match=r"run at AVX2 \(avx2\): the build for avx2-vnni failed "
+                                                      r"\(RuntimeError: g\+\+: error: unrecognized"):
+        ext, why = extension_module._build_and_check()
+    assert ext.level() == "avx2" and why is None
+    monkeypatch.setenv(build.LEVEL_ENV, "avx2-vnni")
+    ext, why = extension_module._build_and_check()
+    assert ext is None and why == "they could not be built (RuntimeError: g++: error: unrecognized command-line option '-mavxvnni')"
+
+
 def test_a_forced_level_the_cpu_lacks_stops_the_cli_in_one_line(tmp_path):
     """What a user sees: one line and a non-zero exit, not a quiet fallback to the generic ops."""
     missing = next((lv for lv in build.LEVELS if lv not in build.runnable_levels()), None)

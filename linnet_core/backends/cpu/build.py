@@ -118,6 +118,15 @@ def chosen_level() -> Level | None:
     return runnable[0] if runnable else None
 
 
+def candidate_levels() -> list[Level]:
+    """The levels to try building, in order: the forced one alone, else every level this CPU runs,
+    highest first (a compiler too old for the highest one's flags, AMX's say, builds the next)."""
+    level = chosen_level()
+    if level is None:
+        return []
+    return [level] if os.environ.get(LEVEL_ENV, "").strip() else runnable_levels()
+
+
 def unusable() -> str | None:
     """Why the kernels cannot serve here before any build is tried, or None."""
     if os.environ.get("LINNET_DECODE_KERNELS", "1") == "0":

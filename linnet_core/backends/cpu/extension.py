@@ -9,7 +9,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .build import QUANT_CODES, KernelBuildNotice, build_extension, chosen_level, register_fakes, unusable
+from .build import QUANT_CODES, KernelBuildNotice, build_extension, candidate_levels, register_fakes, unusable
 from .selfcheck import self_check
 
 
@@ -28,19 +28,25 @@ def _build_and_check():
     why = unusable()
     if why:
         return None, why
-    level = chosen_level()
-    try:
-        ext = build_extension(level)
+    failed = None  # (level, error) of the first build that failed
+    for level in candidate_levels():
+        try:
+            ext = build_extension(level)
+        except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the next level, else the generic ops
+            last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+            failed = failed or (level, f"{type(e).__name__}: {last}")
+            continue
         if ext.level() != level.name:  # the flags and vec.h's choice disagree: a build for another CPU
             return None, f"the build for {level.name} compiled as {ext.level()}"
         why = self_check(ext)
-    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the generic ops serve
-        last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-        return None, f"they could not be built ({type(e).__name__}: {last})"
-    if why:
-        return None, why
-    register_fakes()
-    return ext, None
+        if why:
+            return None, why
+        if failed:
+            warnings.warn(f"Linnet's CPU kernels run at {level.label} ({level.name}): the build for "
+                          f"{failed[0].name} failed ({failed[1]})", KernelBuildNotice, stacklevel=4)
+        register_fakes()
+        return ext, None
+    return None, f"they could not be built ({failed[1]})"
 
 
 def extension():
