@@ -249,7 +249,7 @@ torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w) {
 }
 
 // float16, float32 and bfloat16 weights (bfloat16 where the ISA has no bf16 dot product: 59.5 against
-// 56.7 tok/s for the row layout's GEMV at 191M on an AVX2 EPYC; or one that spans two rows and no AMX:
+// 56.7 tok/s for the row layout's GEMV at 191M on an AVX2 EPYC; or one that spans two rows,
 // pair_linear, linears.py) repacked once at load for the kernels below: w [N, K] ->
 // [2 ceil(N / 8), K / 16, 4, 16], blocks of 4 rows interleaved 16 weights at a time (rows past N are
 // zeros). Decode loads (widens) each 16 of x once for a block's 4 rows or a pair's 8 (kDecodeBlocks),
