@@ -4,6 +4,8 @@
     python bench/make_seed_models.py all /tmp/seeds                        # one folder per model
     python bench/make_seed_models.py qwen3-4b /tmp/tiny --tiny             # the same family, 2 layers
     python bench/make_seed_models.py qwen3-30b-a3b /tmp/seeds/qwen3-30b-a3b-q4_0.gguf   # 17 GB, a GGUF
+    python bench/make_seed_models.py qwen3-4b /tmp/seeds/qwen3-4b-agree --branch-scale 0.01      # a pair that
+    python bench/make_seed_models.py qwen3-0.6b /tmp/seeds/qwen3-0.6b-agree --branch-scale 0.01  # agrees
 
 Shapes, rope, tied/untied head and sliding window are those of the models' own config.json;
 the weights are random (normal, std 0.02; norms 1), bfloat16, in Hugging Face's sharded layout,
@@ -12,6 +14,14 @@ written on its own (peak memory about one shard), from the shapes of a model bui
 device. A trained tokenizer in the family's style (byte-level BPE for Qwen, SentencePiece-style
 for Phi-3 and Mistral, the model's vocabulary padding it) makes each a complete checkpoint that
 `run`, `export` and llama.cpp take.
+
+`--branch-scale S` multiplies the layers' output projections (attention's and the MLP's) by S. With
+S well below 1 the residual stream stays close to the current token's embedding, so a tied head
+predicts from that token far more than from the random layers: two seeds written with the same
+small S (a 4B target and a 0.6B draft, say) then agree on most greedy tokens, and S sets how often.
+Speculative decoding's speed depends on its acceptance rate, which random weights put near 0; such
+a pair measures it at real shapes with acceptance near 1 (S = 0.01) or in between (larger S). The
+text is a few tokens repeated: a measure of cost, not of a trained pair's acceptance.
 """
 
 from __future__ import annotations
@@ -134,33 +144,38 @@ def plan_shards(shapes: dict[str, tuple[int, ...]], shard_bytes: int, elem_bytes
 
 
 ROWS_PER_DRAW = 256  # rows drawn from one generator: the draws run on every core, the bytes stay fixed
+BRANCH_OUTPUTS = ("o_proj.weight", "down_proj.weight")  # what --branch-scale multiplies
 
 
-def random_tensor(name: str, shape: tuple[int, ...]):
+def random_tensor(name: str, shape: tuple[int, ...], branch_scale: float = 1.0):
     """Normal(0, 0.02) matrices, ones for norms, zeros for biases; seeded by the name and row block,
-    so a checkpoint is the same bytes however it is sharded and on however many cores it is drawn."""
+    so a checkpoint is the same bytes however it is sharded and on however many cores it is drawn.
+    The layers' output projections are drawn with their std times `branch_scale`."""
     import torch
 
     if len(shape) == 1:
         return (torch.ones if "norm" in name else torch.zeros)(shape, dtype=torch.bfloat16)
     out = torch.empty(shape, dtype=torch.bfloat16)
+    std = 0.02 * (branch_scale if name.endswith(BRANCH_OUTPUTS) else 1.0)
 
     def draw(start: int) -> None:  # a seeded generator draws serially; torch frees the GIL meanwhile
         g = torch.Generator().manual_seed(zlib.crc32(f"{name}:{start}".encode()))
-        out[start:start + ROWS_PER_DRAW].normal_(0.0, 0.02, generator=g)
+        out[start:start + ROWS_PER_DRAW].normal_(0.0, std, generator=g)
 
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         list(pool.map(draw, range(0, shape[0], ROWS_PER_DRAW)))
     return out
 
 
-def write_seed(name: str, out: Path, tiny: bool = False, shard_gb: float = 2.0) -> Path:
-    return write_random_checkpoint(seed_config(name, tiny), out, SEEDS[name][2], shard_gb)
+def write_seed(name: str, out: Path, tiny: bool = False, shard_gb: float = 2.0, branch_scale: float = 1.0) -> Path:
+    return write_random_checkpoint(seed_config(name, tiny), out, SEEDS[name][2], shard_gb, branch_scale)
 
 
-def write_random_checkpoint(config, out: Path, tokenizer: str | None = None, shard_gb: float = 2.0) -> Path:
+def write_random_checkpoint(config, out: Path, tokenizer: str | None = None, shard_gb: float = 2.0,
+                            branch_scale: float = 1.0) -> Path:
     """A checkpoint of `config`'s shapes with random bfloat16 weights, one shard in memory at a time,
-    and a trained tokenizer in the style `tokenizer` (tests/tokenizer_fixtures.py) when given."""
+    and a trained tokenizer in the style `tokenizer` (tests/tokenizer_fixtures.py) when given;
+    `branch_scale`: as --branch-scale."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
@@ -172,7 +187,7 @@ def write_random_checkpoint(config, out: Path, tokenizer: str | None = None, sha
     weight_map, total = {}, 0
     for i, names in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {n: random_tensor(n, shapes[n]) for n in names}
+        tensors = {n: random_tensor(n, shapes[n], branch_scale) for n in names}
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))
@@ -250,7 +265,15 @@ def main() -> None:
     ap.add_argument("out", type=Path, help="the checkpoint folder (with 'all': the folder of one per model)")
     ap.add_argument("--tiny", action="store_true", help="2 layers, hidden 64: the family's features at test size")
     ap.add_argument("--shard-gb", type=float, default=2.0, help="largest shard, GiB (default 2)")
+    ap.add_argument("--branch-scale", type=float, default=1.0, metavar="S",
+                    help="the layers' output projections times S: below 1, seeds written with the same S agree "
+                         "on most greedy tokens (a draft/target pair for speculative decoding; default 1)")
     args = ap.parse_args()
+    if not 0 < args.branch_scale <= 1:
+        ap.error(f"--branch-scale must be above 0 and at most 1, got {args.branch_scale}")
+    if args.branch_scale != 1 and (args.model not in SEEDS or not SEEDS[args.model][1]["tie_word_embeddings"]):
+        tied = ", ".join(n for n, (_, fields, _) in SEEDS.items() if fields["tie_word_embeddings"])
+        ap.error(f"--branch-scale needs one checkpoint seed with a tied head ({tied}): the pair agrees through it")
     names = list(SEEDS) if args.model == "all" else [args.model]
     for name in names:
         t0 = time.perf_counter()
@@ -259,7 +282,7 @@ def main() -> None:
             size = written.stat().st_size
         else:
             written = args.out / name if args.model == "all" else args.out
-            write_seed(name, written, args.tiny, args.shard_gb)
+            write_seed(name, written, args.tiny, args.shard_gb, args.branch_scale)
             size = sum(p.stat().st_size for p in written.glob("*.safetensors"))
         print(f"{written}  {size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
 

@@ -191,6 +191,20 @@ def test_seed_shards_stay_under_their_size():
     assert sum(shards, []) == list(shapes)
 
 
+def test_a_branch_scale_scales_the_output_projections_alone():
+    """--branch-scale (a pair that agrees, for speculative decoding's bench) draws the attention's and
+    the MLP's output projections with a smaller std and every other tensor as before."""
+    from make_seed_models import random_tensor
+
+    for name, shape in [("model.layers.0.self_attn.o_proj.weight", (512, 256)),
+                        ("model.layers.0.mlp.down_proj.weight", (512, 384))]:
+        plain, scaled = random_tensor(name, shape).float(), random_tensor(name, shape, 0.05).float()
+        assert scaled.std() / plain.std() == pytest.approx(0.05, rel=0.02)
+    for name, shape in [("model.layers.0.self_attn.q_proj.weight", (512, 256)), ("model.embed_tokens.weight", (300, 64)),
+                        ("model.layers.0.input_layernorm.weight", (64,))]:
+        assert torch.equal(random_tensor(name, shape), random_tensor(name, shape, 0.05))
+
+
 def test_tiny_seed_is_a_complete_checkpoint(tmp_path):
     from make_seed_models import write_seed
 
