@@ -7,7 +7,8 @@ transport after 20 to warm up:
   streamed (`num_returns="streaming"`), which is how a deployment handle reaches a replica;
 - HTTP/1.1 with keep-alive to a FastAPI app on uvicorn in another process, through aiohttp's client
   and through httpx's, both on uvloop (how the front would reach a replica serving HTTP itself).
-Prints each one's median, p90 and p99 in ms; --save writes them as JSON with the machine.
+Prints each one's median, p90 and p99 in ms; --save writes them as JSON with the machine. Needs
+`pip install 'linnet[ray]'` (Ray Serve brings aiohttp and uvloop).
 
     python bench/ray_transport_floor.py --save bench/results/serving_ray/transport-floor.json
 """
